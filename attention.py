@@ -1,0 +1,99 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2 §2.1, DeepSeek-V3 §2.1.1) under DeepSeek Sparse
+Attention (V3.2-Exp paper §2.1, eq. (2)): each query attends only to the keys its indexer selected.
+
+    c^Q = W^DQ h,  q = W^UQ RMSNorm(c^Q)              q = [q^C (nope) | q^R (rope)] per head
+    c^KV = W^DKV h, k^R = RoPE(W^KR h)                the cache holds c^KV (r_kv) and k^R (R) per token
+    k^C, v = W^UK c^KV, W^UV c^KV                     (MHA mode: expanded per head)
+    o_t = sum_s softmax_s(q_t . k_s / sqrt(d_qk) * mscale^2) v_s   over the selected s
+
+Two formulations of one attention (official code's split, spec/dsv32.md §3.7-3.8):
+- MHA mode (prefill chunks): expand the latent to per-head k^C and v with W^UKV, then attend.
+- absorbed MQA mode (single-token decode): fold W^UK into the query and W^UV after the weighted sum,
+  so attention runs against the latent cache itself (one "KV head" of width r_kv + R).
+They agree in exact arithmetic; in official numerics they round differently (both reproduced).
+
+Letters: B batch, T query tokens, S keys (start_pos + T), H heads, C = r_kv latent width,
+N = qk_nope_head_dim, R = qk_rope_head_dim, V = v_head_dim.
+"""
+import numpy as np
+
+import indexer
+import quant
+import rope
+
+
+def softmax_ref(z, axis=-1):  # float32, max subtracted; -inf entries get probability 0
+    z = np.asarray(z, np.float32)
+    e = np.exp(z - z.max(axis, keepdims=True))
+    return e / e.sum(axis, keepdims=True)
+
+
+def mha_ref(q, k, v, allowed, scale, rnd):  # [B,T,H,N+R], [B,S,H,N+R], [B,S,H,V], [B,T,S] -> [B,T,H,V]
+    """MHA mode. Official rounding points: bf16 scores, bf16 scaled scores, bf16 probabilities,
+    bf16 output (each GEMM accumulates in fp32)."""
+    scores = rnd(q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1))      # [B, H, T, S]
+    scores = rnd(scores * np.float32(scale))
+    scores = np.where(allowed[:, None], scores, -np.inf)                 # sparse + causal mask
+    p = rnd(softmax_ref(scores))
+    return rnd(p @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)        # [B, H, T, V] -> [B, T, H, V]
+
+
+def mqa_absorbed_ref(q_nope, q_pe, kv, pe, Wb, allowed, scale, rnd):
+    """Absorbed mode: [B,T,H,N], [B,T,H,R], [B,S,C], [B,S,R], [H, N+V, C], [B,T,S] -> [B,T,H,V]."""
+    N = q_nope.shape[-1]
+    qa = rnd(np.einsum("bthn,hnc->bthc", q_nope, Wb[:, :N]))             # q^C W^UK: query in latent space
+    s_c = rnd(np.einsum("bthc,bsc->bhts", qa, kv))                        # against the latent cache
+    s_r = rnd(np.einsum("bthr,bsr->bhts", q_pe, pe))                      # against the shared rope key
+    scores = rnd(rnd(s_c + s_r) * np.float32(scale))
+    scores = np.where(allowed[:, None], scores, -np.inf)
+    p = rnd(softmax_ref(scores))                                          # [B, H, T, S]
+    o = rnd(np.einsum("bhts,bsc->bthc", p, kv))                           # weighted latent
+    return rnd(np.einsum("bthc,hvc->bthv", o, Wb[:, N:]))                 # W^UV after the sum
+
+
+def rms_norm(x, w, eps, rnd):  # [..., D] -> [..., D]: rnd(w * x / rms(x)), computed in fp32
+    x = np.asarray(x, np.float32)
+    return rnd(w * (x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(eps))))
+
+
+def mla_forward(x, p, cache, start_pos, cos, sin, args, opts):
+    """One attention layer: x [B, T, d] -> [B, T, d]; writes this chunk into `cache`.
+    opts: official (bool), indexer_fp8 (bool), sparse (bool)."""
+    B, T, _ = x.shape
+    H, N, R, V, C = (args.num_attention_heads, args.qk_nope_head_dim, args.qk_rope_head_dim,
+                     args.v_head_dim, args.kv_lora_rank)
+    off = opts.official
+    rnd = quant.bf16_round if off else quant.no_round
+    end = start_pos + T
+
+    # queries: low-rank path
+    qr = rms_norm(quant.linear_ref(x, p["wq_a"], off), p["q_norm"], args.rms_norm_eps, rnd)     # [B,T,r_q]
+    q = quant.linear_ref(qr, p["wq_b"], off).reshape(B, T, H, N + R)
+    q_nope, q_pe = q[..., :N], rnd(rope.rope_interleaved(q[..., N:], cos, sin))  # MLA: nope first, interleaved
+
+    # keys and values: the compressed latent c^KV and the shared rope key k^R
+    kv = quant.linear_ref(x, p["wkv_a"], off)                                     # [B, T, C + R]
+    c_kv = rms_norm(kv[..., :C], p["kv_norm"], args.rms_norm_eps, rnd)           # [B, T, C]
+    k_pe = rnd(rope.rope_interleaved(kv[:, :, None, C:], cos, sin))[:, :, 0]     # [B, T, R]
+    if off:  # not in paper: the latent takes an FP8 round trip, as the deployed FP8 cache (official fix)
+        c_kv = rnd(quant.act_dequant(*quant.act_quant(c_kv)))
+    cache.kv[:B, start_pos:end], cache.pe[:B, start_pos:end] = c_kv, k_pe
+
+    # eq. (2): which keys each query may see
+    if opts.sparse:
+        allowed = indexer.indexer_forward(x, qr, p["indexer"], cache.idx, start_pos, cos, sin,
+                                          args, off, opts.indexer_fp8)            # [B, T, S]
+    else:  # dense: V3.1-Terminus behaviour on the same weights (the indexer is not run)
+        allowed = np.broadcast_to(np.arange(end)[None, :] <= (start_pos + np.arange(T))[:, None], (B, T, end))
+
+    kv_all, pe_all = cache.kv[:B, :end], cache.pe[:B, :end]
+    if T > 1:  # MHA mode: expand the whole cached latent (chunks after position 0 see the cache too)
+        kvb = quant.linear_ref(kv_all, p["wkv_b"], off).reshape(B, end, H, N + V)  # W^UK, W^UV
+        k = np.concatenate([kvb[..., :N], np.broadcast_to(pe_all[:, :, None], (B, end, H, R))], -1)
+        q_full = np.concatenate([q_nope, q_pe], -1)
+        o = mha_ref(q_full, k, kvb[..., N:], allowed, args.softmax_scale, rnd)
+    else:      # absorbed MQA mode: W^UKV dequantized once (bf16 in official numerics) and kept
+        if "wkv_b_absorbed" not in p:
+            p["wkv_b_absorbed"] = rnd(p["wkv_b"].dequant()).reshape(H, N + V, C)
+        o = mqa_absorbed_ref(q_nope, q_pe, kv_all, pe_all, p["wkv_b_absorbed"], allowed, args.softmax_scale, rnd)
+    return quant.linear_ref(o.reshape(B, T, H * V), p["wo"], off)                  # W^O

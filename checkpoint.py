@@ -1,0 +1,291 @@
+"""Checkpoints in the real DeepSeek-V3.2-Exp layout (spec/dsv32.md §1-2): read lazily, write tiny ones.
+
+Reading: `config.json`, `model.safetensors.index.json` (or one `model.safetensors`), shards whose
+headers are parsed and validated here (NumPy has no float8, so safetensors' own NumPy loader cannot
+read F8_E4M3) and whose data is memory-mapped: a tensor is touched only when a layer uses it, and
+FP8 weights stay FP8 (dequantized per use, never all at once).
+
+Names: Hugging Face tensor names map to the official inference code's short names by the one table
+of convert.py (`model.layers.5.self_attn.indexer.wq_b.weight` -> `layers.5.attn.indexer.wq_b.weight`).
+
+Writing: `write_checkpoint` lays tensors out as shards + index + config.json atomically (a temporary
+folder renamed at the end, so nothing half-written survives an error); `tiny_config` and
+`random_weights` make the random test models.
+"""
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+import quant
+
+# safetensors dtype string <-> NumPy dtype (ml_dtypes for the float8 and bfloat16 formats)
+DTYPES = {
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16), "F32": np.dtype(np.float32), "F64": np.dtype(np.float64),
+    "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# convert.py's renaming, HF key -> official short name (spec §2.2)
+SHORT_NAMES = {
+    "embed_tokens": "embed", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "q_a_proj": "wq_a", "q_a_layernorm": "q_norm", "q_b_proj": "wq_b",
+    "kv_a_proj_with_mqa": "wkv_a", "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b",
+    "o_proj": "wo", "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3",
+    "lm_head": "head",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as it claims to be; the message names the file and field."""
+
+
+def short_name(hf_name):  # "model.layers.5.mlp.experts.17.gate_proj.weight" -> "layers.5.ffn.experts.17.w1.weight"
+    name = hf_name.removeprefix("model.")
+    for a, b in (("self_attn", "attn"), ("mlp", "ffn"), ("weight_scale_inv", "scale"),
+                 ("e_score_correction_bias", "bias")):
+        name = name.replace(a, b)
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in SHORT_NAMES:
+        parts[-2] = SHORT_NAMES[parts[-2]]
+    return ".".join(parts)
+
+
+# -----------------------------------------------------------------------------
+# safetensors, read by hand: 8-byte little-endian header length, JSON header, raw data
+
+def read_header(path):  # -> {name: (dtype, shape, begin, end)} with offsets into the whole file
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated, {size} bytes is shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise CheckpointError(f"{path}: header length {n} runs past the end of the {size}-byte file")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    data_size, out = size - 8 - n, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise CheckpointError(f"{where}: entry needs dtype, shape and data_offsets")
+        if info["dtype"] not in DTYPES:
+            raise CheckpointError(f"{where}: unknown dtype {info['dtype']!r}")
+        shape, offs = info["shape"], info["data_offsets"]
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise CheckpointError(f"{where}: bad shape {shape!r}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+                and 0 <= offs[0] <= offs[1]):
+            raise CheckpointError(f"{where}: bad data_offsets {offs!r}")
+        dtype = DTYPES[info["dtype"]]
+        if offs[1] - offs[0] != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(f"{where}: {offs[1] - offs[0]} bytes do not hold {info['dtype']} {shape}")
+        if offs[1] > data_size:
+            raise CheckpointError(f"{where}: data ends at byte {offs[1]} but the file holds {data_size} "
+                                  f"(truncated file?)")
+        out[name] = (dtype, tuple(shape), 8 + n + offs[0], 8 + n + offs[1])
+    return out
+
+
+class Checkpoint:
+    """A checkpoint folder: its config dict and lazy access to its tensors by HF name."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"checkpoint folder {self.path} does not exist")
+        cfg = self.path / "config.json"
+        if not cfg.is_file():
+            raise FileNotFoundError(f"{cfg} is missing: a checkpoint folder needs its config.json")
+        try:
+            self.config = json.loads(cfg.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg}: not valid JSON ({e})") from None
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: needs a JSON object with a weight_map ({e})") from None
+        elif (self.path / "model.safetensors").is_file():
+            weight_map = {k: "model.safetensors" for k in read_header(self.path / "model.safetensors")}
+        else:
+            raise FileNotFoundError(f"{self.path}: no model.safetensors.index.json nor model.safetensors")
+        self.weight_map = weight_map
+        self._headers, self._maps = {}, {}
+
+    def __contains__(self, name):
+        return name in self.weight_map
+
+    def get(self, name):  # HF tensor name -> read-only memory-mapped array (no copy, no read yet)
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint's index")
+        shard = self.weight_map[name]
+        if shard not in self._headers:
+            file = self.path / shard
+            if not file.is_file():
+                raise FileNotFoundError(f"{file} (named in the index for {name!r}) does not exist")
+            self._headers[shard] = read_header(file)
+            self._maps[shard] = np.memmap(file, dtype=np.uint8, mode="r")
+        if name not in self._headers[shard]:
+            raise CheckpointError(f"{self.path / shard}: the index puts {name!r} here but the shard lacks it")
+        dtype, shape, begin, end = self._headers[shard][name]
+        return self._maps[shard][begin:end].view(dtype).reshape(shape)
+
+    def weight(self, prefix):  # "model.layers.0.self_attn.q_a_proj" -> quant.Weight (codes + scale)
+        w = self.get(prefix + ".weight")
+        scale_name = prefix + ".weight_scale_inv"
+        if w.dtype == DTYPES["F8_E4M3"]:
+            if scale_name not in self:
+                raise CheckpointError(f"{self.path}: FP8 weight {prefix}.weight has no weight_scale_inv")
+            s = np.asarray(self.get(scale_name), np.float32)
+            want = (-(-w.shape[0] // quant.BLOCK), -(-w.shape[1] // quant.BLOCK))
+            if s.shape != want:
+                raise CheckpointError(f"{self.path}: {scale_name} has shape {s.shape}, expected {want}")
+            return quant.Weight(w, s)
+        return quant.Weight(w, None)
+
+
+# -----------------------------------------------------------------------------
+# Writing
+
+def save_safetensors(path, tensors):  # {name: np array} -> one .safetensors file
+    header, offset = {}, 0
+    for name, a in tensors.items():
+        header[name] = {"dtype": DTYPE_NAMES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)                                      # keep the data 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for a in tensors.values():
+            f.write(np.ascontiguousarray(a).tobytes())
+
+
+def write_checkpoint(out_dir, config, tensors, n_shards=2, extra_files=None):
+    """Shards + model.safetensors.index.json + config.json (+ extra files {name: text}), written to a
+    temporary folder beside `out_dir` and renamed into place only when complete."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp", dir=out_dir.parent))
+    try:
+        names = list(tensors)
+        per = -(-len(names) // n_shards)
+        weight_map, total = {}, 0
+        for i in range(n_shards):
+            shard = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+            part = {k: tensors[k] for k in names[i * per:(i + 1) * per]}
+            save_safetensors(tmp / shard, part)
+            weight_map.update({k: shard for k in part})
+            total += sum(a.nbytes for a in part.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def tiny_config(**overrides):  # a config.json dict in the real checkpoint's style, tiny dimensions
+    cfg = {
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
+        "ep_size": 1, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 256,
+        "index_head_dim": 128, "index_n_heads": 16, "index_topk": 8, "initializer_range": 0.02,
+        "intermediate_size": 384, "kv_lora_rank": 128, "max_position_embeddings": 512,
+        "moe_intermediate_size": 128, "moe_layer_freq": 1, "n_group": 4, "n_routed_experts": 8,
+        "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 4,
+        "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 4,
+        "num_nextn_predict_layers": 0, "q_lora_rank": 128, "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 64, "v_head_dim": 64, "vocab_size": 2048,
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 128, "type": "yarn"},
+        "rope_theta": 10000.0, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+        "tie_word_embeddings": False, "topk_group": 2, "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16", "use_cache": True,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def random_weights(cfg, seed=0):  # config dict -> {HF name: array}, FP8 linears with their scales
+    """Random weights in the checkpoint's dtypes. Linear weights ~ N(0, 1/fan_in) so activations keep
+    their scale through depth; norms near 1; the router bias small and positive like a trained one."""
+    rng = np.random.default_rng(seed)
+    D, V = cfg["hidden_size"], cfg["vocab_size"]
+    H, dn, dr, dv = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    rq, rkv = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    J, Di = cfg["index_n_heads"], cfg["index_head_dim"]
+    bf16 = DTYPES["BF16"]
+    t = {}
+
+    def fp8(name, n, k):
+        w, s = quant.weight_quant(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
+        t[name + ".weight"], t[name + ".weight_scale_inv"] = w, s
+
+    def norm(name, n):
+        t[name + ".weight"] = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    t["model.embed_tokens.weight"] = rng.standard_normal((V, D)).astype(bf16)
+    for i in range(cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{i}."
+        norm(p + "input_layernorm", D)
+        norm(p + "post_attention_layernorm", D)
+        a = p + "self_attn."
+        fp8(a + "q_a_proj", rq, D)
+        norm(a + "q_a_layernorm", rq)
+        fp8(a + "q_b_proj", H * (dn + dr), rq)
+        fp8(a + "kv_a_proj_with_mqa", rkv + dr, D)
+        norm(a + "kv_a_layernorm", rkv)
+        fp8(a + "kv_b_proj", H * (dn + dv), rkv)
+        fp8(a + "o_proj", D, H * dv)
+        fp8(a + "indexer.wq_b", J * Di, rq)
+        fp8(a + "indexer.wk", Di, D)
+        norm(a + "indexer.k_norm", Di)
+        t[a + "indexer.k_norm.bias"] = (0.1 * rng.standard_normal(Di)).astype(np.float32)
+        t[a + "indexer.weights_proj.weight"] = (rng.standard_normal((J, D)) / np.sqrt(D)).astype(bf16)
+        m = p + "mlp."
+        if i < cfg["first_k_dense_replace"]:
+            for w, (n, k) in (("gate_proj", (cfg["intermediate_size"], D)),
+                              ("up_proj", (cfg["intermediate_size"], D)),
+                              ("down_proj", (D, cfg["intermediate_size"]))):
+                fp8(m + w, n, k)
+            continue
+        E, I = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+        t[m + "gate.weight"] = (rng.standard_normal((E, D)) / np.sqrt(D)).astype(bf16)
+        t[m + "gate.e_score_correction_bias"] = (0.05 * rng.random(E)).astype(np.float32)
+        for e in range(E):
+            for w, (n, k) in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
+                fp8(m + f"experts.{e}.{w}", n, k)
+        Is = I * cfg["n_shared_experts"]
+        for w, (n, k) in (("gate_proj", (Is, D)), ("up_proj", (Is, D)), ("down_proj", (D, Is))):
+            fp8(m + f"shared_experts.{w}", n, k)
+    t["model.norm.weight"] = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    t["lm_head.weight"] = (rng.standard_normal((V, D)) / np.sqrt(D)).astype(bf16)
+    return t

@@ -1,0 +1,146 @@
+"""Lightning indexer and fine-grained token selection (DeepSeek-V3.2-Exp paper §2.1, eqs. (1)-(2)),
+and the indexer's training objectives (§2.1, eqs. (3)-(4)).
+
+    eq. (1)  I_{t,s} = sum_j w^I_{t,j} ReLU(q^I_{t,j} . k^I_s)
+    eq. (2)  u_t = Attn(h_t, {c_s | I_{t,s} in Top-k(I_{t,:})})
+
+Letters: B batch, T query tokens, S keys (cached + new), J indexer heads (H^I), D indexer head dim
+(d^I), R rotary dims, K = index_topk. Indices follow the paper: t is the query, s the key (the
+official code writes m/n or s/t for them).
+
+Two precisions of one computation:
+- fp8 (the official numerics): q and k are Hadamard-rotated, then FP8-quantized with ue8m0 scales
+  (q one scale per head, k one per token); the key cache holds FP8 codes and their scales.
+- exact (what transformers computes): float32 q and k, no rotation (it is orthogonal, so exact
+  scores are the same), unit scales.
+"""
+import numpy as np
+
+import quant
+import rope
+
+
+# -----------------------------------------------------------------------------
+# not in paper: the Hadamard rotation before FP8 (official `rotate_activation`), which spreads
+# outliers across the 128 dims so one ue8m0 scale per head loses less
+
+def hadamard_matrix(n):  # -> [n, n] float32 Sylvester matrix, H[i, j] = (-1)^popcount(i & j)
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    i = np.arange(n)
+    bits = np.bitwise_and(i[:, None], i[None, :])
+    parity = np.zeros_like(bits)
+    while bits.any():
+        parity ^= bits & 1
+        bits >>= 1
+    return (1 - 2 * parity).astype(np.float32)
+
+
+def rotate_activation_ref(x):  # [..., D] -> [..., D] float32, (x @ H) * D**-0.5 (H is symmetric)
+    D = x.shape[-1]
+    y = np.asarray(x, np.float64) @ hadamard_matrix(D).astype(np.float64)
+    return (y * D ** -0.5).astype(np.float32)
+
+
+# -----------------------------------------------------------------------------
+# eq. (1): index scores
+
+def index_scores_ref(q, w, k, k_scale):  # [B, T, J, D], [B, T, J], [B, S, D], [B, S] -> [B, T, S] f32
+    """I[b,t,s] = k_scale[b,s] * sum_j w[b,t,j] * ReLU(q[b,t,j] . k[b,s]).
+    q, k are FP8 codes (their dot products are exact in float64, then fp32 as the tensor-core
+    accumulator) or float32; w carries the q scales and the folded constants."""
+    B, T, J, D = q.shape
+    exact64 = q.dtype != np.float32
+    dt = np.float64 if exact64 else np.float32
+    qk = np.asarray(q, dt).reshape(B, T * J, D) @ np.asarray(k, dt).transpose(0, 2, 1)  # [B, T*J, S]
+    qk = qk.astype(np.float32).reshape(B, T, J, -1)                     # q^I_{t,j} . k^I_s
+    relu = np.maximum(qk, np.float32(0))                                # ReLU per head, before w
+    I = np.einsum("btj,btjs->bts", np.asarray(w, np.float32), relu)      # eq. (1), sum over heads
+    return (I * np.asarray(k_scale, np.float32)[:, None, :]).astype(np.float32)  # key scale last
+# not in paper: w arrives as weights_proj(x) * J**-0.5 * q_scale * D**-0.5 (official Indexer.forward)
+
+
+# -----------------------------------------------------------------------------
+# eq. (2): causal top-k selection
+
+def topk_select_ref(I, K, start_pos):  # [B, T, S] f32, top-k, offset -> [B, T, S] bool
+    """Select min(K, S) keys per query among the causal ones (key s <= start_pos + t). Ties break
+    toward the lower key index (a stable sort), so two runs always choose alike."""
+    B, T, S = I.shape
+    causal = np.arange(S)[None, :] <= (start_pos + np.arange(T))[:, None]      # [T, S]
+    masked = np.where(causal[None], I, -np.inf)
+    k = min(K, S)
+    order = np.argsort(-masked, axis=-1, kind="stable")[..., :k]              # [B, T, k]
+    sel = np.zeros((B, T, S), bool)
+    np.put_along_axis(sel, order, True, axis=-1)
+    return sel & causal[None]                                                 # future keys stay out
+
+
+# -----------------------------------------------------------------------------
+# The indexer layer: projections, RoPE, (rotation + FP8), key cache, scores, selection
+
+def indexer_forward(x, qr, p, cache, start_pos, cos, sin, args, official, fp8):
+    """x [B, T, d], qr [B, T, r_q] (the MLA query latent, shared) -> selection [B, T, S] bool.
+    p: this layer's indexer weights; cache: its key cache (written at start_pos..start_pos+T)."""
+    B, T, _ = x.shape
+    J, D, R = args.index_n_heads, args.index_head_dim, args.qk_rope_head_dim
+    rnd = quant.bf16_round if official else quant.no_round
+    q = quant.linear_ref(qr, p["wq_b"], official).reshape(B, T, J, D)             # q^I_{t,j}
+    # rope part FIRST here (MLA puts it last); half-split layout (official fix of 2025-11-17)
+    q = np.concatenate([rnd(rope.rope_half_split(q[..., :R], cos, sin)), q[..., R:]], -1)
+    k = rnd(layer_norm(quant.linear_ref(x, p["wk"], official), p["k_norm"], p["k_norm_bias"]))  # [B, T, D]
+    k = np.concatenate([rnd(rope.rope_half_split(k[:, :, None, :R], cos, sin))[:, :, 0], k[..., R:]], -1)
+    if fp8:                                       # not in paper: rotation + FP8 (official numerics)
+        q, k = rnd(rotate_activation_ref(q)), rnd(rotate_activation_ref(k))
+        q, q_scale = quant.act_quant(q)                                            # [B,T,J,D], [B,T,J,1]
+        k, k_scale = quant.act_quant(k)                                            # [B,T,D], [B,T,1]
+        q_scale, k_scale = q_scale[..., 0], k_scale[..., 0]
+    else:
+        q_scale, k_scale = np.ones((B, T, J), np.float32), np.ones((B, T), np.float32)
+    end = start_pos + T
+    cache.k[:B, start_pos:end], cache.k_scale[:B, start_pos:end] = k, k_scale
+    w = (np.asarray(x, np.float32) @ p["weights_proj"].dequant().T) * np.float32(J ** -0.5)  # fp32 [B,T,J]
+    w = w * q_scale * np.float32(D ** -0.5)       # not in paper: scales folded into w (official)
+    I = index_scores_ref(q, w, cache.k[:B, :end], cache.k_scale[:B, :end])         # eq. (1) [B, T, S]
+    return topk_select_ref(I, args.index_topk, start_pos)                         # eq. (2)
+
+
+def layer_norm(x, w, b, eps=1e-6):  # [..., D] -> [..., D] float32 (indexer k_norm: LayerNorm with bias)
+    x = np.asarray(x, np.float32)
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + np.float32(eps)) * w + b
+
+
+# -----------------------------------------------------------------------------
+# eqs. (3)-(4): the indexer's training objectives (spec/dsv32.md §8)
+
+def _log_softmax(z, valid):  # [..., S] over the valid entries; invalid -> -inf
+    z = np.where(valid, np.asarray(z, np.float64), -np.inf)
+    m = z.max(-1, keepdims=True)
+    return z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
+
+
+def _kl(p, log_q, valid):  # sum over valid s of p (log p - log q), with 0 log 0 = 0
+    logp = np.log(np.where(p > 0, p, 1))
+    return np.where(valid & (p > 0), p * (logp - np.where(valid, log_q, 0)), 0).sum(-1)
+
+
+def attention_target(A):  # [T, H, S] attention probabilities -> p [T, S]: head-summed, L1-normalised
+    a = np.asarray(A, np.float64).sum(1)
+    return a / a.sum(-1, keepdims=True)
+
+
+def indexer_kl_dense(A, I):  # eq. (3): [T, H, S], [T, S] -> L_I = sum_t KL(p_t || softmax(I_t)) over s <= t
+    T, _, S = A.shape
+    causal = np.arange(S)[None, :] <= (S - T + np.arange(T))[:, None]
+    p = np.where(causal, attention_target(A), 0)
+    return float(_kl(p, _log_softmax(I, causal), causal).sum())
+
+
+def indexer_kl_sparse(A, I, K):  # eq. (4): KL over the selected set S_t = Top-k(I_t) only
+    T, _, S = A.shape
+    sel = topk_select_ref(np.asarray(I, np.float32)[None], K, S - T)[0]       # [T, S]
+    p = np.where(sel, attention_target(A), 0)
+    p = p / p.sum(-1, keepdims=True)                                          # renormalised on S_t
+    return float(_kl(p, _log_softmax(I, sel), sel).sum())

@@ -1,0 +1,299 @@
+"""DeepSeek-V3.2-Exp: the Transformer (embedding -> blocks -> norm -> head) with explicit caches.
+
+A block is RMSNorm -> MLA under DSA (attention.py, indexer.py) -> RMSNorm -> MLP or MoE (moe.py), with
+the official fused residual: each norm adds its input to the residual in fp32, normalises that sum
+and keeps the sum rounded to bf16 as the new residual (spec/dsv32.md §3.2).
+
+Numerics, set at load time:
+- "official" (default): the official inference code's rounding points: bf16 residual stream, FP8
+  act_quant before every FP8 linear, the FP8 latent round trip, the FP8 indexer.
+- "exact": float32 throughout on dequantized weights, and by default the exact float32 indexer
+  (what transformers computes): the mode for oracle work.
+
+Letters: B batch, T new tokens, S = start_pos + T keys, d hidden_size, V vocab_size.
+"""
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+import attention
+import checkpoint
+import moe
+import quant
+import rope
+
+
+@dataclass
+class ModelArgs:
+    """The checkpoint's config.json, keys unchanged. Comments: paper symbol (official demo name)."""
+    vocab_size: int = 129280              # |V| (vocab_size)
+    hidden_size: int = 7168               # d (dim)
+    intermediate_size: int = 18432        # dense FFN width (inter_dim)
+    moe_intermediate_size: int = 2048     # routed expert width (moe_inter_dim)
+    num_hidden_layers: int = 61           # L (n_layers); layer L is the MTP module, not built
+    first_k_dense_replace: int = 3        # leading dense-FFN layers (n_dense_layers)
+    num_attention_heads: int = 128        # n_h (n_heads)
+    n_routed_experts: int = 256           # N_r (n_routed_experts)
+    n_shared_experts: int = 1             # N_s (n_shared_experts)
+    num_experts_per_tok: int = 8          # K_r (n_activated_experts)
+    n_group: int = 8                      # expert groups (n_expert_groups)
+    topk_group: int = 4                   # groups kept per token (n_limited_groups)
+    routed_scaling_factor: float = 2.5    # route scale (route_scale)
+    scoring_func: str = "sigmoid"         # s_{i,t} = sigmoid(u . e) (score_func)
+    topk_method: str = "noaux_tc"         # noaux_tc: bias-corrected choice b_i (Gate.bias)
+    norm_topk_prob: bool = True           # normalise the K gate weights to sum 1
+    q_lora_rank: int = 1536               # d'_c (q_lora_rank)
+    kv_lora_rank: int = 512               # d_c (kv_lora_rank)
+    qk_nope_head_dim: int = 128           # d_h (qk_nope_head_dim)
+    qk_rope_head_dim: int = 64            # d^R_h (qk_rope_head_dim)
+    v_head_dim: int = 128                 # d_h for values (v_head_dim)
+    index_n_heads: int = 64               # H^I (index_n_heads)
+    index_head_dim: int = 128             # d^I (index_head_dim)
+    index_topk: int = 2048                # k in Top-k(I_{t,:}) (index_topk)
+    rms_norm_eps: float = 1e-6            # RMSNorm epsilon (hard-coded in the demo)
+    rope_theta: float = 10000.0           # RoPE base (rope_theta)
+    rope_scaling: dict = field(default_factory=dict)   # YaRN: factor, original_max_position_embeddings, beta_*, mscale
+    max_position_embeddings: int = 163840  # longest context the checkpoint claims
+    quantization_config: dict | None = None   # fp8 e4m3, ue8m0 scales, 128x128 blocks
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    num_nextn_predict_layers: int = 0     # MTP modules stored after the main layers (skipped)
+    # derived in __post_init__
+    max_seq_len: int = 0                  # this run's context (default max_position_embeddings)
+    softmax_scale: float = 0.0            # d_qk^-0.5 * mscale^2 (with YaRN)
+
+    REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
+                "index_head_dim", "index_topk", "intermediate_size")
+
+    @classmethod
+    def from_config(cls, cfg, where="config.json", **run):
+        """Build from a config.json dict; unknown keys are ignored, missing required keys named."""
+        missing = [k for k in cls.REQUIRED if k not in cfg]
+        if missing:
+            raise ValueError(f"{where}: missing required field(s) {', '.join(missing)}")
+        known = {f.name for f in fields(cls)} - {"max_seq_len", "softmax_scale"}
+        kw = {k: v for k, v in cfg.items() if k in known}
+        try:
+            return cls(**kw, **run)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def __post_init__(self):
+        ints = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
+                "index_head_dim", "index_topk", "intermediate_size", "moe_intermediate_size",
+                "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "max_position_embeddings")
+        for k in ints:
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{k} must be a positive integer, got {v!r}")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
+            raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and fit in index_head_dim")
+        if self.index_head_dim & (self.index_head_dim - 1) or self.index_head_dim % quant.BLOCK:
+            raise ValueError(f"index_head_dim {self.index_head_dim} must be a power of two and a multiple of 128 "
+                             "(Hadamard rotation, one FP8 scale per head)")
+        if self.kv_lora_rank % quant.BLOCK:
+            raise ValueError(f"kv_lora_rank {self.kv_lora_rank} must be a multiple of 128 (FP8 latent groups)")
+        if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
+            raise ValueError(f"n_group {self.n_group} must divide n_routed_experts {self.n_routed_experts} "
+                             f"and be >= topk_group {self.topk_group}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError("num_experts_per_tok exceeds n_routed_experts")
+        if self.scoring_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"scoring_func {self.scoring_func!r} is not sigmoid or softmax")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(f"first_k_dense_replace {self.first_k_dense_replace} is outside 0..num_hidden_layers")
+        self.max_seq_len = self.max_seq_len or self.max_position_embeddings
+        if self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
+        self.softmax_scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        if self.yarn_active:
+            m = rope.yarn_mscale(self.rope_factor, self.rope_scaling.get("mscale", 1.0))
+            self.softmax_scale *= m * m                                   # mscale enters squared
+
+    @property
+    def original_seq_len(self):
+        return self.rope_scaling.get("original_max_position_embeddings", self.max_position_embeddings)
+
+    @property
+    def rope_factor(self):
+        return float(self.rope_scaling.get("factor", 1.0))
+
+    @property
+    def yarn_active(self):  # the official condition: the run's context exceeds the trained one
+        return self.rope_scaling.get("type", self.rope_scaling.get("rope_type")) == "yarn" \
+            and self.max_seq_len > self.original_seq_len
+
+    @property
+    def fp8(self):
+        q = self.quantization_config or {}
+        return q.get("quant_method") == "fp8"
+
+
+# -----------------------------------------------------------------------------
+# Weights: the checkpoint's tensors under the official short names, FP8 kept as codes + scales
+
+def load_layer(ck, i, args):  # -> nested dict of quant.Weight / float32 arrays for layer i
+    pre = f"model.layers.{i}."
+    a = pre + "self_attn."
+
+    def vec(name):
+        return np.asarray(ck.get(name), np.float32)
+
+    attn = {k: ck.weight(a + hf) for k, hf in (("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"),
+                                                  ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"),
+                                                  ("wo", "o_proj"))}
+    attn["q_norm"], attn["kv_norm"] = vec(a + "q_a_layernorm.weight"), vec(a + "kv_a_layernorm.weight")
+    attn["indexer"] = {"wq_b": ck.weight(a + "indexer.wq_b"), "wk": ck.weight(a + "indexer.wk"),
+                       "k_norm": vec(a + "indexer.k_norm.weight"), "k_norm_bias": vec(a + "indexer.k_norm.bias"),
+                       "weights_proj": ck.weight(a + "indexer.weights_proj")}
+    m = pre + "mlp."
+
+    def mlp(prefix):
+        return {"w1": ck.weight(prefix + "gate_proj"), "w2": ck.weight(prefix + "down_proj"),
+                "w3": ck.weight(prefix + "up_proj")}
+
+    if i < args.first_k_dense_replace:
+        ffn = mlp(m)
+    else:
+        ffn = {"gate": ck.weight(m + "gate"),
+               "experts": [mlp(m + f"experts.{e}.") for e in range(args.n_routed_experts)],
+               "shared_experts": mlp(m + "shared_experts.")}
+        if args.topk_method == "noaux_tc":                              # bias-corrected choice
+            ffn["gate_bias"] = vec(m + "gate.e_score_correction_bias")
+    return {"attn_norm": vec(pre + "input_layernorm.weight"), "ffn_norm": vec(pre + "post_attention_layernorm.weight"),
+            "attn": attn, "ffn": ffn}
+
+
+# -----------------------------------------------------------------------------
+# Caches: per layer, the latent c^KV, the rope key k^R, the indexer keys and their scales
+
+class IndexerCache(SimpleNamespace):
+    pass
+
+
+class LayerCache:
+    """Grows (doubling) up to max_seq_len instead of being allocated whole."""
+
+    def __init__(self, B, args, fp8_keys):
+        self.B, self.args, self.cap = B, args, 0
+        kdt = quant.E4M3 if fp8_keys else np.float32
+        self.kv = np.zeros((B, 0, args.kv_lora_rank), np.float32)
+        self.pe = np.zeros((B, 0, args.qk_rope_head_dim), np.float32)
+        self.idx = IndexerCache(k=np.zeros((B, 0, args.index_head_dim), kdt), k_scale=np.zeros((B, 0), np.float32))
+
+    def reserve(self, end):
+        if end <= self.cap:
+            return
+        cap = min(max(end, 2 * self.cap, 64), self.args.max_seq_len)
+
+        def grow(a):
+            b = np.zeros((a.shape[0], cap) + a.shape[2:], a.dtype)
+            b[:, :a.shape[1]] = a
+            return b
+
+        self.kv, self.pe = grow(self.kv), grow(self.pe)
+        self.idx.k, self.idx.k_scale = grow(self.idx.k), grow(self.idx.k_scale)
+        self.cap = cap
+
+
+# -----------------------------------------------------------------------------
+
+class Transformer:
+    """embed -> Block x L -> norm -> head, with caches owned here and passed down explicitly."""
+
+    def __init__(self, args, weights, ck_path=None, numerics="official", attention_mode="sparse",
+                 indexer=None, backend="numpy"):
+        if backend != "numpy":
+            raise ValueError(f"backend {backend!r} is not available yet: this build has the NumPy reference "
+                             "path only (the torch fast path is a separate issue)")
+        if numerics not in ("official", "exact"):
+            raise ValueError(f"numerics must be 'official' or 'exact', got {numerics!r}")
+        if attention_mode not in ("sparse", "dense"):
+            raise ValueError(f"attention must be 'sparse' or 'dense', got {attention_mode!r}")
+        indexer = indexer or ("fp8" if numerics == "official" else "exact")
+        if indexer not in ("fp8", "exact"):
+            raise ValueError(f"indexer must be 'fp8' or 'exact', got {indexer!r}")
+        self.args, self.w, self.path = args, weights, ck_path
+        self.opts = SimpleNamespace(official=numerics == "official", sparse=attention_mode == "sparse",
+                                    indexer_fp8=indexer == "fp8")
+        self.numerics, self.attention, self.indexer = numerics, attention_mode, indexer
+        self.freqs = rope.yarn_freqs(args.qk_rope_head_dim, args.rope_theta, args.max_seq_len, args.original_seq_len,
+                                     args.rope_factor, args.rope_scaling.get("beta_fast", 32),
+                                     args.rope_scaling.get("beta_slow", 1))
+        self.caches, self.cached_len = None, 0
+
+    @classmethod
+    def from_pretrained(cls, path, backend="numpy", numerics="official", attention="sparse", indexer=None,
+                        max_seq_len=None, device=None):
+        """Open a checkpoint folder in the real layout; weights stay memory-mapped until used."""
+        ck = checkpoint.Checkpoint(path)
+        args = ModelArgs.from_config(ck.config, where=str(Path(path) / "config.json"),
+                                     **({"max_seq_len": max_seq_len} if max_seq_len else {}))
+        weights = {"embed": ck.get("model.embed_tokens.weight"), "norm": np.asarray(ck.get("model.norm.weight"), np.float32),
+                   "head": ck.get("lm_head.weight"),
+                   "layers": [load_layer(ck, i, args) for i in range(args.num_hidden_layers)]}  # MTP layer skipped
+        if weights["embed"].shape != (args.vocab_size, args.hidden_size):
+            raise checkpoint.CheckpointError(f"{path}: embed_tokens has shape {weights['embed'].shape}, config says "
+                                             f"{(args.vocab_size, args.hidden_size)}")
+        return cls(args, weights, path, numerics, attention, indexer, backend)
+
+    def _check_tokens(self, tokens, start_pos):
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must be a [batch, seq] integer array with seq >= 1, got shape {tokens.shape}")
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+        bad = (tokens < 0) | (tokens >= self.args.vocab_size)
+        if bad.any():
+            raise ValueError(f"token id {tokens[bad][0]} is outside the vocabulary [0, {self.args.vocab_size})")
+        B, T = tokens.shape
+        if start_pos < 0 or start_pos > self.cached_len:
+            raise ValueError(f"start_pos {start_pos} is outside 0..{self.cached_len} (the cached length)")
+        if start_pos > 0 and B != self.caches[0].B:
+            raise ValueError(f"batch {B} differs from the cached batch {self.caches[0].B}")
+        if start_pos + T > self.args.max_seq_len:
+            raise ValueError(f"start_pos {start_pos} + {T} tokens exceeds max_seq_len {self.args.max_seq_len}")
+        return tokens.astype(np.int64)
+
+    def forward(self, tokens, start_pos=0, all_positions=False):
+        """tokens [B, T] -> logits [B, V] of the last position (or [B, T, V]); continues the caches
+        when start_pos > 0 (one token: decode; several: a prefill chunk)."""
+        tokens = self._check_tokens(tokens, start_pos)
+        B, T = tokens.shape
+        a, o = self.args, self.opts
+        if start_pos == 0:
+            self.caches = [LayerCache(B, a, o.indexer_fp8) for _ in range(a.num_hidden_layers)]
+        end = start_pos + T
+        for c in self.caches:
+            c.reserve(end)
+        cos, sin = rope.rope_angles(self.freqs, np.arange(start_pos, end))    # [T, R/2]
+        rnd = quant.bf16_round if o.official else quant.no_round
+
+        h = np.asarray(self.w["embed"][tokens], np.float32)                # [B, T, d] (bf16 values)
+        residual = None
+        for i, (lw, cache) in enumerate(zip(self.w["layers"], self.caches)):
+            x, residual = self._norm(h, residual, lw["attn_norm"])
+            x = attention.mla_forward(x, lw["attn"], cache, start_pos, cos, sin, a, o)
+            x, residual = self._norm(x, residual, lw["ffn_norm"])
+            x2 = x.reshape(B * T, -1)
+            if i < a.first_k_dense_replace:
+                h = moe.mlp_forward(x2, lw["ffn"], o.official).reshape(B, T, -1)
+            else:
+                h = moe.moe_forward(x2, lw["ffn"], a, o.official).reshape(B, T, -1)
+        h, _ = self._norm(h, residual, self.w["norm"])
+        self.cached_len = end
+        h = h if all_positions else h[:, -1]
+        if "head32" not in self.w:                                       # fp32 head weights (official), once
+            self.w["head32"] = np.asarray(self.w["head"], np.float32)
+        return (h @ self.w["head32"].T).astype(np.float32)                # [B, (T,) V]
+
+    def _norm(self, x, residual, w):  # fused residual add (official): norm of the fp32 sum, residual rounded
+        rnd = quant.bf16_round if self.opts.official else quant.no_round
+        s = x if residual is None else np.asarray(x, np.float32) + residual
+        return attention.rms_norm(s, w, self.args.rms_norm_eps, rnd), rnd(s)

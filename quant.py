@@ -1,0 +1,164 @@
+"""Number formats: FP8 (e4m3fn, e4m3fnuz), ue8m0 scales, 128x128 weight blocks, the official
+`act_quant`, the block-scaled FP8 GEMM, bf16 rounding, and FP4 e2m1 with MX block scales.
+
+Everything here is the NumPy reference; ml_dtypes supplies the number formats, so a cast here is
+the format's own round-to-nearest-even. Sources: spec/dsv32.md §4 (the official `kernel.py`:
+act_quant, weight_dequant, fp8_gemm), the OCP MX spec for FP4 e2m1 with e8m0 block scales.
+
+Letters: M rows of activations, N output features, K input features, Kb = K / 128 blocks.
+"""
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+BLOCK = 128                                   # weight block (128 x 128) and activation group (1 x 128)
+E4M3 = ml_dtypes.float8_e4m3fn                # the checkpoint's FP8 flavour (max 448)
+E4M3FNUZ = ml_dtypes.float8_e4m3fnuz          # gfx942's flavour (max 240, no negative zero)
+FP8_MAX = {E4M3: 448.0, E4M3FNUZ: 240.0}
+BF16 = ml_dtypes.bfloat16
+FP4 = ml_dtypes.float4_e2m1fn                 # MX FP4: values 0, .5, 1, 1.5, 2, 3, 4, 6
+MX_BLOCK = 32                                 # MX scale block along the input dimension
+
+
+# -----------------------------------------------------------------------------
+# bf16 rounding points
+
+def bf16_round(x):  # any float array -> float32 holding bf16 values (round to nearest even)
+    return np.asarray(x, np.float32).astype(BF16).astype(np.float32)
+
+
+def no_round(x):  # the exact-numerics twin of bf16_round: float32, untouched
+    return np.asarray(x, np.float32)
+
+
+# -----------------------------------------------------------------------------
+# act_quant: 1 x 128 groups, ue8m0 (power-of-two) scales, spec §4.1
+
+def ue8m0_ceil(v):  # float32 > 0 -> float32 2^ceil(log2 v), read from the bits as the kernel does
+    bits = np.asarray(v, np.float32).view(np.uint32)
+    e = ((bits >> 23) & 0xFF).astype(np.int64) - 127 + ((bits & 0x7FFFFF) != 0)
+    return ((e + 127).astype(np.uint32) << 23).view(np.float32)
+
+
+def act_quant(x, block_size=BLOCK, scale_fmt="ue8m0", fp8=E4M3):  # [..., N] -> [..., N] fp8, [..., N/bs]
+    """Official activation quantization: one scale per `block_size` values of the last axis."""
+    x = np.asarray(x, np.float32)
+    if x.shape[-1] % block_size:
+        raise ValueError(f"act_quant: last dim {x.shape[-1]} is not a multiple of {block_size}")
+    fp8_max = np.float32(FP8_MAX[fp8])
+    xb = x.reshape(*x.shape[:-1], -1, block_size)                       # [..., N/bs, bs]
+    amax = np.maximum(np.abs(xb).max(-1), np.float32(1e-4))             # clamp: all-zero block -> 1e-4
+    v = (amax * (np.float32(1) / fp8_max)).astype(np.float32)           # one fp32 multiply, as the kernel
+    s = ue8m0_ceil(v) if scale_fmt == "ue8m0" else v                    # power of two, or plain
+    y = np.clip(xb / s[..., None], -fp8_max, fp8_max)                   # fp32 divide, exact for 2^e
+    return y.astype(fp8).reshape(x.shape), s.astype(np.float32)
+
+
+def act_dequant(q, s, block_size=BLOCK):  # [..., N] fp8, [..., N/bs] -> [..., N] float32
+    qb = q.astype(np.float32).reshape(*q.shape[:-1], -1, block_size)
+    return (qb * s[..., None]).reshape(q.shape)
+
+
+# -----------------------------------------------------------------------------
+# 128 x 128 weight blocks (`weight_scale_inv` is a multiplier despite its name)
+
+def expand_blocks(s, shape, block_size=BLOCK):  # [ceil(N/bs), ceil(K/bs)] -> [N, K]
+    N, K = shape
+    return np.repeat(np.repeat(s, block_size, 0)[:N], block_size, 1)[:, :K]
+
+
+def weight_dequant(w, s, block_size=BLOCK):  # [N, K] fp8, [ceil(N/bs), ceil(K/bs)] -> [N, K] float32
+    return w.astype(np.float32) * expand_blocks(np.asarray(s, np.float32), w.shape, block_size)
+
+
+def weight_quant(w, block_size=BLOCK, fp8=E4M3):  # [N, K] float -> [N, K] fp8, [ceil(N/bs), ceil(K/bs)]
+    """Block quantization with power-of-two scales (what a ue8m0 checkpoint stores): the smallest
+    2^e with amax / 2^e <= fp8 max, so nothing saturates."""
+    w = np.asarray(w, np.float32)
+    N, K = w.shape
+    nb, kb = -(-N // block_size), -(-K // block_size)
+    pad = np.zeros((nb * block_size, kb * block_size), np.float32)
+    pad[:N, :K] = np.abs(w)
+    amax = pad.reshape(nb, block_size, kb, block_size).max((1, 3))      # [nb, kb]
+    amax = np.where(amax > 0, amax, np.float32(1))
+    s = ue8m0_ceil((amax / np.float32(FP8_MAX[fp8])).astype(np.float32))
+    return (w / expand_blocks(s, w.shape, block_size)).astype(fp8), s
+
+
+def to_e4m3fnuz(w, s):  # e4m3fn codes + scale -> e4m3fnuz codes + scale (gfx942), same values
+    """Same bytes read as e4m3fnuz are worth half, so the scale doubles. 0x80 is -0 in e4m3fn
+    but NaN in e4m3fnuz: map it to 0."""
+    bits = np.asarray(w).view(np.uint8).copy()
+    bits[bits == 0x80] = 0
+    return bits.view(E4M3FNUZ), np.asarray(s, np.float32) * np.float32(2)
+
+
+# -----------------------------------------------------------------------------
+# The FP8 GEMM y = x W^T with per-block promotion, spec §4.3
+
+def fp8_gemm(a, sa, b, sb, block_size=BLOCK):  # [M, K] fp8, [M, Kb], [N, K] fp8, [Nb, Kb] -> [M, N] f32
+    """Per 128-wide K block: the fp8 x fp8 partial sum (exact here: float64 holds every product of
+    two fp8 values and their sum over 128 terms), rounded to fp32 as the tensor-core accumulator,
+    then promoted by the product of the two scales into an fp32 accumulator, K blocks ascending.
+    The caller rounds to bf16 (the kernel's output dtype)."""
+    M, K = a.shape
+    N = b.shape[0]
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    sb_rows = np.repeat(np.asarray(sb, np.float32), block_size, 0)[:N]  # [N, Kb]
+    acc = np.zeros((M, N), np.float32)
+    for kb in range(-(-K // block_size)):
+        k = slice(kb * block_size, (kb + 1) * block_size)
+        partial = (a64[:, k] @ b64[:, k].T).astype(np.float32)            # [M, N] exact, then fp32
+        acc += partial * (sa[:, kb, None] * sb_rows[None, :, kb])         # "2xAcc" promotion
+    return acc
+
+
+# -----------------------------------------------------------------------------
+# A linear layer as the checkpoint stores it: FP8 codes + block scales, or plain float weights
+
+class Weight(NamedTuple):
+    w: np.ndarray                  # [N, K]: fp8 codes (e4m3fn) or float (bf16 / f32 tensors)
+    scale: np.ndarray | None       # [ceil(N/128), ceil(K/128)] float32, or None when not quantized
+
+    def dequant(self):  # -> [N, K] float32
+        if self.scale is None:
+            return np.asarray(self.w, np.float32)
+        return weight_dequant(self.w, self.scale)
+
+
+def linear_ref(x, W, official):  # [..., K], Weight [N, K] -> [..., N] float32
+    """official: act_quant(x) then the FP8 GEMM, bf16 out (every FP8 linear of the demo);
+    exact: x @ dequant(W)^T in float32."""
+    if not official or W.scale is None:
+        y = np.asarray(x, np.float32) @ W.dequant().T
+        return bf16_round(y) if official else y
+    lead = x.shape[:-1]
+    q, s = act_quant(x.reshape(-1, x.shape[-1]))
+    return bf16_round(fp8_gemm(q, s, W.w, W.scale)).reshape(*lead, -1)
+
+
+# -----------------------------------------------------------------------------
+# FP4 e2m1 with MX block scales (32 values, e8m0), packed two per byte (for later models' experts)
+
+def fp4_quant(w):  # [N, K] float -> [N, K/2] uint8 packed, [N, K/32] float32 power-of-two scales
+    """scale = 2^(floor(log2 amax) - 2): e2m1's largest binade starts at 4 = 2^2; values above
+    6 x scale saturate at +-6. Low nibble holds the even index along K."""
+    w = np.asarray(w, np.float32)
+    N, K = w.shape
+    if K % MX_BLOCK:
+        raise ValueError(f"fp4_quant: K={K} is not a multiple of {MX_BLOCK}")
+    wb = w.reshape(N, K // MX_BLOCK, MX_BLOCK)
+    amax = np.abs(wb).max(-1)
+    e = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1))) - 2, 0)
+    s = np.exp2(e).astype(np.float32)                                    # e8m0 value
+    q = np.clip(wb / s[..., None], -6, 6).astype(FP4).reshape(N, K)
+    nib = q.view(np.uint8) & 0xF
+    return (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8), s
+
+
+def fp4_dequant(packed, s):  # [N, K/2] uint8, [N, K/32] -> [N, K] float32
+    N = packed.shape[0]
+    nib = np.stack([packed & 0xF, packed >> 4], -1).reshape(N, -1)       # even index from the low nibble
+    v = nib.astype(np.uint8).view(FP4).astype(np.float32)
+    return (v.reshape(N, -1, MX_BLOCK) * s[..., None]).reshape(N, -1)
