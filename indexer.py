@@ -99,10 +99,15 @@ def indexer_forward(x, qr, p, cache, start_pos, cos, sin, args, official, fp8):
         q_scale, k_scale = np.ones((B, T, J), np.float32), np.ones((B, T), np.float32)
     end = start_pos + T
     cache.k[:B, start_pos:end], cache.k_scale[:B, start_pos:end] = k, k_scale
-    w = (np.asarray(x, np.float32) @ p["weights_proj"].dequant().T) * np.float32(J ** -0.5)  # fp32 [B,T,J]
-    w = w * q_scale * np.float32(D ** -0.5)       # not in paper: scales folded into w (official)
+    w = head_weights(x, p["weights_proj"], q_scale, J, D)                         # w^I_{t,j} [B, T, J]
     I = index_scores_ref(q, w, cache.k[:B, :end], cache.k_scale[:B, :end])         # eq. (1) [B, T, S]
     return topk_select_ref(I, args.index_topk, start_pos)                         # eq. (2)
+
+
+def head_weights(x, weights_proj, q_scale, J, D):  # [B, T, d], Weight [J, d], [B, T, J] -> [B, T, J] f32
+    """w^I_{t,j} of eq. (1) from the fp32 projection weights_proj(x) (fp32 weights since the fix)."""
+    w = (np.asarray(x, np.float32) @ weights_proj.dequant().T) * np.float32(J ** -0.5)
+    return w * q_scale * np.float32(D ** -0.5)   # not in paper: J**-0.5, the q scale and D**-0.5 folded in
 
 
 def layer_norm(x, w, b, eps=1e-6):  # [..., D] -> [..., D] float32 (indexer k_norm: LayerNorm with bias)
