@@ -233,6 +233,7 @@ def tiny_config(**overrides):  # a config.json dict in the real checkpoint's sty
         "torch_dtype": "bfloat16", "use_cache": True,
     }
     cfg.update(overrides)
+    cfg["num_key_value_heads"] = overrides.get("num_key_value_heads", cfg["num_attention_heads"])  # MLA: one per head
     return cfg
 
 

@@ -14,6 +14,8 @@ Two precisions of one computation:
 - exact (what transformers computes): float32 q and k, no rotation (it is orthogonal, so exact
   scores are the same), unit scales.
 """
+import functools
+
 import numpy as np
 
 import quant
@@ -24,7 +26,8 @@ import rope
 # not in paper: the Hadamard rotation before FP8 (official `rotate_activation`), which spreads
 # outliers across the 128 dims so one ue8m0 scale per head loses less
 
-def hadamard_matrix(n):  # -> [n, n] float32 Sylvester matrix, H[i, j] = (-1)^popcount(i & j)
+@functools.lru_cache(maxsize=None)
+def hadamard_matrix(n):  # -> [n, n] float64 Sylvester matrix, H[i, j] = (-1)^popcount(i & j)
     if n & (n - 1):
         raise ValueError(f"Hadamard size {n} is not a power of two")
     i = np.arange(n)
@@ -33,12 +36,14 @@ def hadamard_matrix(n):  # -> [n, n] float32 Sylvester matrix, H[i, j] = (-1)^po
     while bits.any():
         parity ^= bits & 1
         bits >>= 1
-    return (1 - 2 * parity).astype(np.float32)
+    H = (1 - 2 * parity).astype(np.float64)
+    H.flags.writeable = False                     # cached: shared by every call
+    return H
 
 
 def rotate_activation_ref(x):  # [..., D] -> [..., D] float32, (x @ H) * D**-0.5 (H is symmetric)
     D = x.shape[-1]
-    y = np.asarray(x, np.float64) @ hadamard_matrix(D).astype(np.float64)
+    y = np.asarray(x, np.float64) @ hadamard_matrix(D)
     return (y * D ** -0.5).astype(np.float32)
 
 
@@ -50,9 +55,8 @@ def index_scores_ref(q, w, k, k_scale):  # [B, T, J, D], [B, T, J], [B, S, D], [
     q, k are FP8 codes (their dot products are exact in float64, then fp32 as the tensor-core
     accumulator) or float32; w carries the q scales and the folded constants."""
     B, T, J, D = q.shape
-    exact64 = q.dtype != np.float32
-    dt = np.float64 if exact64 else np.float32
-    qk = np.asarray(q, dt).reshape(B, T * J, D) @ np.asarray(k, dt).transpose(0, 2, 1)  # [B, T*J, S]
+    dt = np.float32 if q.dtype == np.float32 else np.float64             # fp8 products: exact in float64
+    qk = quant.decode(q, dt).reshape(B, T * J, D) @ quant.decode(k, dt).transpose(0, 2, 1)  # [B, T*J, S]
     qk = qk.astype(np.float32).reshape(B, T, J, -1)                     # q^I_{t,j} . k^I_s
     relu = np.maximum(qk, np.float32(0))                                # ReLU per head, before w
     I = np.einsum("btj,btjs->bts", np.asarray(w, np.float32), relu)      # eq. (1), sum over heads

@@ -33,6 +33,25 @@ def no_round(x):  # the exact-numerics twin of bf16_round: float32, untouched
 
 
 # -----------------------------------------------------------------------------
+# FP8 codes -> floats through a 256-entry table (the same values as ml_dtypes' cast, 6x faster)
+
+_DECODE = {}
+
+
+def fp8_decode(q, dtype=np.float32):  # fp8 array -> its values in float32 / float64
+    key = (np.dtype(q.dtype), np.dtype(dtype))
+    if key not in _DECODE:
+        _DECODE[key] = np.arange(256, dtype=np.uint8).view(q.dtype).astype(dtype)
+    return np.take(_DECODE[key], np.asarray(q).view(np.uint8))
+
+
+def decode(x, dtype=np.float32):  # any array (fp8 codes, bf16, f32) -> float values
+    if np.dtype(x.dtype).itemsize == 1 and x.dtype != np.uint8 and x.dtype != np.int8:
+        return fp8_decode(x, dtype)
+    return np.asarray(x, dtype)
+
+
+# -----------------------------------------------------------------------------
 # act_quant: 1 x 128 groups, ue8m0 (power-of-two) scales, spec §4.1
 
 def ue8m0_ceil(v):  # float32 > 0 -> float32 2^ceil(log2 v), read from the bits as the kernel does
@@ -56,7 +75,7 @@ def act_quant(x, block_size=BLOCK, scale_fmt="ue8m0", fp8=E4M3):  # [..., N] -> 
 
 
 def act_dequant(q, s, block_size=BLOCK):  # [..., N] fp8, [..., N/bs] -> [..., N] float32
-    qb = q.astype(np.float32).reshape(*q.shape[:-1], -1, block_size)
+    qb = decode(q).reshape(*q.shape[:-1], -1, block_size)
     return (qb * s[..., None]).reshape(q.shape)
 
 
@@ -69,7 +88,7 @@ def expand_blocks(s, shape, block_size=BLOCK):  # [ceil(N/bs), ceil(K/bs)] -> [N
 
 
 def weight_dequant(w, s, block_size=BLOCK):  # [N, K] fp8, [ceil(N/bs), ceil(K/bs)] -> [N, K] float32
-    return w.astype(np.float32) * expand_blocks(np.asarray(s, np.float32), w.shape, block_size)
+    return decode(w) * expand_blocks(np.asarray(s, np.float32), w.shape, block_size)
 
 
 def weight_quant(w, block_size=BLOCK, fp8=E4M3):  # [N, K] float -> [N, K] fp8, [ceil(N/bs), ceil(K/bs)]
@@ -104,7 +123,7 @@ def fp8_gemm(a, sa, b, sb, block_size=BLOCK):  # [M, K] fp8, [M, Kb], [N, K] fp8
     The caller rounds to bf16 (the kernel's output dtype)."""
     M, K = a.shape
     N = b.shape[0]
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    a64, b64 = decode(a, np.float64), decode(b, np.float64)
     sb_rows = np.repeat(np.asarray(sb, np.float32), block_size, 0)[:N]  # [N, Kb]
     acc = np.zeros((M, N), np.float32)
     for kb in range(-(-K // block_size)):

@@ -1,0 +1,160 @@
+"""checkpoint.py: the hand-written safetensors reader and writer against the safetensors library,
+the name table, and clear errors (nothing half-written) on broken checkpoints."""
+import json
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from safetensors.torch import load_file, save_file
+
+import checkpoint
+from checkpoint import CheckpointError
+from model import Transformer
+
+
+def test_reads_what_safetensors_writes(tmp_path):
+    rng = np.random.default_rng(0)
+    src = {"a.weight": torch.randn(5, 7).to(torch.float8_e4m3fn), "b": torch.randn(3, 130).to(torch.bfloat16),
+           "c": torch.randn(2, 2, 2), "d": torch.arange(6, dtype=torch.int64)}
+    save_file(src, tmp_path / "x.safetensors")
+    hdr = checkpoint.read_header(tmp_path / "x.safetensors")
+    data = np.memmap(tmp_path / "x.safetensors", np.uint8, mode="r")
+    for name, t in src.items():
+        dtype, shape, b, e = hdr[name]
+        got = data[b:e].view(dtype).reshape(shape)
+        want = t.view(torch.uint8).numpy() if t.dtype == torch.float8_e4m3fn else None
+        if want is not None:
+            np.testing.assert_array_equal(got.view(np.uint8), want)
+        elif t.dtype == torch.bfloat16:
+            np.testing.assert_array_equal(got.astype(np.float32), t.float().numpy())
+        else:
+            np.testing.assert_array_equal(got, t.numpy())
+
+
+def test_safetensors_reads_what_we_write(tmp_path):
+    t = {"w": np.random.default_rng(1).standard_normal((4, 9)).astype(ml_dtypes.float8_e4m3fn),
+         "s": np.array([[0.5, 2.0]], np.float32), "e": np.ones((3, 3), ml_dtypes.bfloat16)}
+    checkpoint.save_safetensors(tmp_path / "y.safetensors", t)
+    back = load_file(tmp_path / "y.safetensors")
+    np.testing.assert_array_equal(back["w"].view(torch.uint8).numpy(), t["w"].view(np.uint8))
+    np.testing.assert_array_equal(back["s"].numpy(), t["s"])
+    np.testing.assert_array_equal(back["e"].float().numpy(), 1.0)
+
+
+def test_short_names_follow_convert_py():
+    cases = {"model.layers.5.self_attn.indexer.wq_b.weight_scale_inv": "layers.5.attn.indexer.wq_b.scale",
+             "model.layers.5.mlp.experts.17.gate_proj.weight": "layers.5.ffn.experts.17.w1.weight",
+             "model.layers.5.mlp.gate.e_score_correction_bias": "layers.5.ffn.gate.bias",
+             "lm_head.weight": "head.weight", "model.embed_tokens.weight": "embed.weight",
+             "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": "layers.0.attn.wkv_a.weight"}
+    for hf, short in cases.items():
+        assert checkpoint.short_name(hf) == short
+
+
+@pytest.fixture()
+def small(tmp_path):
+    cfg = checkpoint.tiny_config(num_hidden_layers=2, n_routed_experts=4, n_group=2, topk_group=1)
+    return checkpoint.write_checkpoint(tmp_path / "ck", cfg, checkpoint.random_weights(cfg, 0))
+
+
+def shard_of(path, name):
+    return path / json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+
+def test_written_layout_is_the_real_one(small):
+    ck = checkpoint.Checkpoint(small)
+    w = ck.weight("model.layers.0.self_attn.kv_a_proj_with_mqa")
+    assert w.w.dtype == ml_dtypes.float8_e4m3fn and w.scale.shape == (2, 2)     # 192 rows -> 2 scale rows
+    assert np.all(np.exp2(np.round(np.log2(w.scale))) == w.scale)               # ue8m0 powers of two
+    assert ck.get("model.embed_tokens.weight").dtype == ml_dtypes.bfloat16
+    assert ck.get("model.layers.1.mlp.gate.e_score_correction_bias").dtype == np.float32
+    cfg = json.loads((small / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+
+
+def test_truncated_shard(small):
+    f = shard_of(small, "model.embed_tokens.weight")
+    data = f.read_bytes()
+    f.write_bytes(data[:len(data) - 1000])
+    with pytest.raises(CheckpointError, match="truncated"):
+        Transformer.from_pretrained(small)
+    f.write_bytes(data[:5])
+    with pytest.raises(CheckpointError, match="truncated"):
+        checkpoint.read_header(f)
+
+
+def rewrite_header(f, edit):
+    data = f.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (n - len(blob)) if len(blob) <= n else b""
+    f.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
+
+
+def test_header_that_lies(small):
+    f = shard_of(small, "model.norm.weight")
+
+    def bad_shape(h):
+        h["model.norm.weight"]["shape"] = [7]
+    rewrite_header(f, bad_shape)
+    with pytest.raises(CheckpointError, match="do not hold F32"):
+        checkpoint.read_header(f)
+
+
+def test_header_with_unknown_dtype_or_garbage(small):
+    f = shard_of(small, "model.norm.weight")
+    rewrite_header(f, lambda h: h["model.norm.weight"].update(dtype="Q9"))
+    with pytest.raises(CheckpointError, match="unknown dtype"):
+        checkpoint.read_header(f)
+    f.write_bytes(struct.pack("<Q", 4) + b"{{{{")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        checkpoint.read_header(f)
+    f.write_bytes(struct.pack("<Q", 10 ** 9) + b"{}")
+    with pytest.raises(CheckpointError, match="runs past the end"):
+        checkpoint.read_header(f)
+
+
+def test_missing_pieces(small, tmp_path):
+    idx = small / "model.safetensors.index.json"
+    index = json.loads(idx.read_text())
+    del index["weight_map"]["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    idx.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="has no weight_scale_inv"):
+        Transformer.from_pretrained(small)
+    del index["weight_map"]["model.layers.1.self_attn.o_proj.weight"]
+    idx.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="'model.layers.1.self_attn.o_proj.weight' is not in the checkpoint's index"):
+        Transformer.from_pretrained(small)
+    (small / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        Transformer.from_pretrained(small)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        checkpoint.Checkpoint(tmp_path / "nope")
+
+
+def test_config_missing_field_is_named(small):
+    cfg = json.loads((small / "config.json").read_text())
+    del cfg["kv_lora_rank"]
+    (small / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json: missing required field.*kv_lora_rank"):
+        Transformer.from_pretrained(small)
+
+
+def test_nothing_half_written(tmp_path):
+    bad = {"ok": np.zeros(3, np.float32), "bad": np.zeros(3, np.complex64)}   # no safetensors dtype
+    with pytest.raises(KeyError):
+        checkpoint.write_checkpoint(tmp_path / "out", {"x": 1}, bad)
+    assert list(tmp_path.iterdir()) == []                                      # no folder, no temp left
+
+
+def test_tiny_build_is_deterministic(tmp_path):
+    cfg = checkpoint.tiny_config(num_hidden_layers=1)
+    a = checkpoint.write_checkpoint(tmp_path / "a", cfg, checkpoint.random_weights(cfg, 3))
+    b = checkpoint.write_checkpoint(tmp_path / "b", cfg, checkpoint.random_weights(cfg, 3))
+    for f in a.iterdir():
+        assert f.read_bytes() == (b / f.name).read_bytes()
