@@ -19,7 +19,6 @@ import numpy as np
 
 import indexer
 import quant
-import rope
 
 
 def softmax_ref(z, axis=-1):  # float32, max subtracted; -inf entries get probability 0
@@ -28,14 +27,18 @@ def softmax_ref(z, axis=-1):  # float32, max subtracted; -inf entries get probab
     return e / e.sum(axis, keepdims=True)
 
 
-def mha_ref(q, k, v, allowed, scale, rnd):  # [B,T,H,N+R], [B,S,H,N+R], [B,S,H,V], [B,T,S] -> [B,T,H,V]
-    """MHA mode. Official rounding points: bf16 scores, bf16 scaled scores, bf16 probabilities,
-    bf16 output (each GEMM accumulates in fp32)."""
-    scores = rnd(q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1))      # [B, H, T, S]
+def mha_ref(q_nope, q_pe, k_nope, k_pe, v, allowed, scale, rnd):
+    """MHA mode: [B,T,H,N], [B,T,H,R], [B,S,H,N], [B,S,R], [B,S,H,V], [B,T,S] -> [B,T,H,V].
+    Official rounding points: bf16 scores (one GEMM over the N + R dims, fp32 accumulation), bf16
+    scaled scores, bf16 probabilities, bf16 output."""
+    H = q_nope.shape[2]
+    q = np.concatenate([q_nope, q_pe], -1).transpose(0, 2, 1, 3)                 # [B, H, T, N+R]
+    k = np.concatenate([k_nope, np.broadcast_to(k_pe[:, :, None], k_pe.shape[:2] + (H, k_pe.shape[-1]))], -1)
+    scores = rnd(q @ k.transpose(0, 2, 3, 1))                                    # [B, H, T, S]
     scores = rnd(scores * np.float32(scale))
-    scores = np.where(allowed[:, None], scores, -np.inf)                 # sparse + causal mask
+    scores = np.where(allowed[:, None], scores, -np.inf)                         # sparse + causal mask
     p = rnd(softmax_ref(scores))
-    return rnd(p @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)        # [B, H, T, V] -> [B, T, H, V]
+    return rnd(p @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)                # [B, T, H, V]
 
 
 def mqa_absorbed_ref(q_nope, q_pe, kv, pe, Wb, allowed, scale, rnd):
@@ -51,54 +54,56 @@ def mqa_absorbed_ref(q_nope, q_pe, kv, pe, Wb, allowed, scale, rnd):
     return rnd(np.einsum("bthc,hvc->bthv", o, Wb[:, N:]))                 # W^UV after the sum
 
 
-def rms_norm(x, w, eps, rnd):  # [..., D] -> [..., D]: rnd(w * x / rms(x)), computed in fp32
+def rms_norm_ref(x, w, eps, rnd):  # [..., D] -> [..., D]: rnd(w * x / rms(x)), computed in fp32
     x = np.asarray(x, np.float32)
     return rnd(w * (x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(eps))))
 
 
-def latent_fp8_roundtrip(c_kv):  # [..., C] bf16 values -> [..., C] bf16 values on the FP8 grid
+def latent_fp8_roundtrip_ref(c_kv):  # [..., C] bf16 values -> [..., C] bf16 values on the FP8 grid
     # not in paper: the official code (fix of 2025-11-17) simulates the deployed FP8 latent cache
     return quant.bf16_round(quant.act_dequant(*quant.act_quant(c_kv)))   # exact: power-of-two scales
 
 
+def causal_mask_ref(B, T, start_pos):  # -> [B, T, S] bool, key s visible to query t iff s <= start_pos + t
+    S = start_pos + T
+    return np.broadcast_to(np.arange(S)[None, :] <= (start_pos + np.arange(T))[:, None], (B, T, S))
+
+
 def mla_forward(x, p, cache, start_pos, cos, sin, args, opts):
     """One attention layer: x [B, T, d] -> [B, T, d]; writes this chunk into `cache`.
-    opts: official (bool), indexer_fp8 (bool), sparse (bool)."""
+    opts: official, sparse, indexer_fp8 (bools) and ops, the backend's op table (model.py)."""
     B, T, _ = x.shape
     H, N, R, V, C = (args.num_attention_heads, args.qk_nope_head_dim, args.qk_rope_head_dim,
                      args.v_head_dim, args.kv_lora_rank)
-    off = opts.official
-    rnd = quant.bf16_round if off else quant.no_round
+    ops, off = opts.ops, opts.official
+    rnd = ops.bf16_round if off else ops.no_round
     end = start_pos + T
 
-    # queries: low-rank path
-    qr = rms_norm(quant.linear_ref(x, p["wq_a"], off), p["q_norm"], args.rms_norm_eps, rnd)     # [B,T,r_q]
-    q = quant.linear_ref(qr, p["wq_b"], off).reshape(B, T, H, N + R)
-    q_nope, q_pe = q[..., :N], rnd(rope.rope_interleaved(q[..., N:], cos, sin))  # MLA: nope first, interleaved
+    # queries: the low-rank path c^Q -> q
+    qr = ops.rms_norm(ops.linear(x, p["wq_a"], off), p["q_norm"], args.rms_norm_eps, rnd)      # [B, T, r_q]
+    q = ops.linear(qr, p["wq_b"], off).reshape(B, T, H, N + R)
+    q_nope, q_pe = q[..., :N], rnd(ops.rope_interleaved(q[..., N:], cos, sin))  # MLA: nope first, interleaved
 
     # keys and values: the compressed latent c^KV and the shared rope key k^R
-    kv = quant.linear_ref(x, p["wkv_a"], off)                                     # [B, T, C + R]
-    c_kv = rms_norm(kv[..., :C], p["kv_norm"], args.rms_norm_eps, rnd)           # [B, T, C]
-    k_pe = rnd(rope.rope_interleaved(kv[:, :, None, C:], cos, sin))[:, :, 0]     # [B, T, R]
+    kv = ops.linear(x, p["wkv_a"], off)                                            # [B, T, C + R]
+    c_kv = ops.rms_norm(kv[..., :C], p["kv_norm"], args.rms_norm_eps, rnd)        # [B, T, C]
+    k_pe = rnd(ops.rope_interleaved(kv[:, :, None, C:], cos, sin))[:, :, 0]       # [B, T, R]
     if off:
-        c_kv = latent_fp8_roundtrip(c_kv)
+        c_kv = ops.latent_fp8_roundtrip(c_kv)
     cache.kv[:B, start_pos:end], cache.pe[:B, start_pos:end] = c_kv, k_pe
 
     # eq. (2): which keys each query may see
     if opts.sparse:
-        allowed = indexer.indexer_forward(x, qr, p["indexer"], cache.idx, start_pos, cos, sin,
-                                          args, off, opts.indexer_fp8)            # [B, T, S]
+        allowed = indexer.indexer_forward(x, qr, p["indexer"], cache.idx, start_pos, cos, sin, args, opts)
     else:  # dense: V3.1-Terminus behaviour on the same weights (the indexer is not run)
-        allowed = np.broadcast_to(np.arange(end)[None, :] <= (start_pos + np.arange(T))[:, None], (B, T, end))
+        allowed = ops.causal_mask(B, T, start_pos)                                 # [B, T, S]
 
     kv_all, pe_all = cache.kv[:B, :end], cache.pe[:B, :end]
     if T > 1:  # MHA mode: expand the whole cached latent (chunks after position 0 see the cache too)
-        kvb = quant.linear_ref(kv_all, p["wkv_b"], off).reshape(B, end, H, N + V)  # W^UK, W^UV
-        k = np.concatenate([kvb[..., :N], np.broadcast_to(pe_all[:, :, None], (B, end, H, R))], -1)
-        q_full = np.concatenate([q_nope, q_pe], -1)
-        o = mha_ref(q_full, k, kvb[..., N:], allowed, args.softmax_scale, rnd)
+        kvb = ops.linear(kv_all, p["wkv_b"], off).reshape(B, end, H, N + V)       # W^UK c, W^UV c
+        o = ops.mha(q_nope, q_pe, kvb[..., :N], pe_all, kvb[..., N:], allowed, args.softmax_scale, rnd)
     else:      # absorbed MQA mode: W^UKV dequantized once (bf16 in official numerics) and kept
         if "wkv_b_absorbed" not in p:
-            p["wkv_b_absorbed"] = rnd(p["wkv_b"].dequant()).reshape(H, N + V, C)
-        o = mqa_absorbed_ref(q_nope, q_pe, kv_all, pe_all, p["wkv_b_absorbed"], allowed, args.softmax_scale, rnd)
-    return quant.linear_ref(o.reshape(B, T, H * V), p["wo"], off)                  # W^O
+            p["wkv_b_absorbed"] = rnd(ops.dequant(p["wkv_b"])).reshape(H, N + V, C)
+        o = ops.mqa_absorbed(q_nope, q_pe, kv_all, pe_all, p["wkv_b_absorbed"], allowed, args.softmax_scale, rnd)
+    return ops.linear(o.reshape(B, T, H * V), p["wo"], off)                        # W^O

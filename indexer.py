@@ -19,7 +19,6 @@ import functools
 import numpy as np
 
 import quant
-import rope
 
 
 # -----------------------------------------------------------------------------
@@ -83,38 +82,40 @@ def topk_select_ref(I, K, start_pos):  # [B, T, S] f32, top-k, offset -> [B, T, 
 # -----------------------------------------------------------------------------
 # The indexer layer: projections, RoPE, (rotation + FP8), key cache, scores, selection
 
-def indexer_forward(x, qr, p, cache, start_pos, cos, sin, args, official, fp8):
+def indexer_forward(x, qr, p, cache, start_pos, cos, sin, args, opts):
     """x [B, T, d], qr [B, T, r_q] (the MLA query latent, shared) -> selection [B, T, S] bool.
-    p: this layer's indexer weights; cache: its key cache (written at start_pos..start_pos+T)."""
+    p: this layer's indexer weights; cache: its key cache (written at start_pos..start_pos+T);
+    opts: official, indexer_fp8 and ops, the backend's op table (model.py)."""
     B, T, _ = x.shape
     J, D, R = args.index_n_heads, args.index_head_dim, args.qk_rope_head_dim
-    rnd = quant.bf16_round if official else quant.no_round
-    q = quant.linear_ref(qr, p["wq_b"], official).reshape(B, T, J, D)             # q^I_{t,j}
+    ops, off = opts.ops, opts.official
+    rnd = ops.bf16_round if off else ops.no_round
+    q = ops.linear(qr, p["wq_b"], off).reshape(B, T, J, D)                          # q^I_{t,j}
     # rope part FIRST here (MLA puts it last); half-split layout (official fix of 2025-11-17)
-    q = np.concatenate([rnd(rope.rope_half_split(q[..., :R], cos, sin)), q[..., R:]], -1)
-    k = rnd(layer_norm(quant.linear_ref(x, p["wk"], official), p["k_norm"], p["k_norm_bias"]))  # [B, T, D]
-    k = np.concatenate([rnd(rope.rope_half_split(k[:, :, None, :R], cos, sin))[:, :, 0], k[..., R:]], -1)
-    if fp8:                                       # not in paper: rotation + FP8 (official numerics)
-        q, k = rnd(rotate_activation_ref(q)), rnd(rotate_activation_ref(k))
-        q, q_scale = quant.act_quant(q)                                            # [B,T,J,D], [B,T,J,1]
-        k, k_scale = quant.act_quant(k)                                            # [B,T,D], [B,T,1]
+    q = ops.cat([rnd(ops.rope_half_split(q[..., :R], cos, sin)), q[..., R:]], -1)
+    k = rnd(ops.layer_norm(ops.linear(x, p["wk"], off), p["k_norm"], p["k_norm_bias"]))  # k^I_s [B, T, D]
+    k = ops.cat([rnd(ops.rope_half_split(k[:, :, None, :R], cos, sin))[:, :, 0], k[..., R:]], -1)
+    if opts.indexer_fp8:                          # not in paper: rotation + FP8 (official numerics)
+        q, k = rnd(ops.rotate_activation(q)), rnd(ops.rotate_activation(k))
+        q, q_scale = ops.act_quant(q)                                               # [B,T,J,D], [B,T,J,1]
+        k, k_scale = ops.act_quant(k)                                               # [B,T,D], [B,T,1]
         q_scale, k_scale = q_scale[..., 0], k_scale[..., 0]
     else:
-        q_scale, k_scale = np.ones((B, T, J), np.float32), np.ones((B, T), np.float32)
+        q_scale, k_scale = 1.0, 1.0                                                 # exact: unit scales
     end = start_pos + T
     cache.k[:B, start_pos:end], cache.k_scale[:B, start_pos:end] = k, k_scale
-    w = head_weights(x, p["weights_proj"], q_scale, J, D)                         # w^I_{t,j} [B, T, J]
-    I = index_scores_ref(q, w, cache.k[:B, :end], cache.k_scale[:B, :end])         # eq. (1) [B, T, S]
-    return topk_select_ref(I, args.index_topk, start_pos)                         # eq. (2)
+    w = ops.head_weights(x, p["weights_proj"], q_scale, J, D)                     # w^I_{t,j} [B, T, J]
+    I = ops.index_scores(q, w, cache.k[:B, :end], cache.k_scale[:B, :end])        # eq. (1) [B, T, S]
+    return ops.topk_select(I, args.index_topk, start_pos)                         # eq. (2)
 
 
-def head_weights(x, weights_proj, q_scale, J, D):  # [B, T, d], Weight [J, d], [B, T, J] -> [B, T, J] f32
+def head_weights_ref(x, weights_proj, q_scale, J, D):  # [B, T, d], Weight [J, d], [B, T, J] -> [B, T, J] f32
     """w^I_{t,j} of eq. (1) from the fp32 projection weights_proj(x) (fp32 weights since the fix)."""
     w = (np.asarray(x, np.float32) @ weights_proj.dequant().T) * np.float32(J ** -0.5)
     return w * q_scale * np.float32(D ** -0.5)   # not in paper: J**-0.5, the q scale and D**-0.5 folded in
 
 
-def layer_norm(x, w, b, eps=1e-6):  # [..., D] -> [..., D] float32 (indexer k_norm: LayerNorm with bias)
+def layer_norm_ref(x, w, b, eps=1e-6):  # [..., D] -> [..., D] float32 (indexer k_norm: LayerNorm with bias)
     x = np.asarray(x, np.float32)
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)

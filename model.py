@@ -22,6 +22,7 @@ import numpy as np
 
 import attention
 import checkpoint
+import indexer
 import moe
 import quant
 import rope
@@ -170,36 +171,94 @@ def load_layer(ck, i, args):  # -> nested dict of quant.Weight / float32 arrays 
             "attn": attn, "ffn": ffn}
 
 
+def check_shapes(w, args, path):  # every weight against the shape config.json implies
+    a = args
+    d, H, N, R, V, C = a.hidden_size, a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+    J, Di = a.index_n_heads, a.index_head_dim
+
+    def mlp(inter):
+        return {"w1": (inter, d), "w3": (inter, d), "w2": (d, inter)}
+
+    want_attn = {"wq_a": (a.q_lora_rank, d), "wq_b": (H * (N + R), a.q_lora_rank), "wkv_a": (C + R, d),
+                 "wkv_b": (H * (N + V), C), "wo": (d, H * V), "q_norm": (a.q_lora_rank,), "kv_norm": (C,)}
+    want_idx = {"wq_b": (J * Di, a.q_lora_rank), "wk": (Di, d), "k_norm": (Di,), "k_norm_bias": (Di,), "weights_proj": (J, d)}
+    checks = [("model.embed_tokens", w["embed"], (a.vocab_size, d)), ("lm_head", w["head"], (a.vocab_size, d)),
+              ("model.norm", w["norm"], (d,))]
+    for i, lw in enumerate(w["layers"]):
+        checks += [(f"layer {i} attn.{k}", lw["attn"][k], s) for k, s in want_attn.items()]
+        checks += [(f"layer {i} indexer.{k}", lw["attn"]["indexer"][k], s) for k, s in want_idx.items()]
+        f = lw["ffn"]
+        if "experts" in f:
+            checks.append((f"layer {i} gate", f["gate"], (a.n_routed_experts, d)))
+            checks += [(f"layer {i} expert 0 {k}", f["experts"][0][k], s) for k, s in mlp(a.moe_intermediate_size).items()]
+            checks += [(f"layer {i} shared {k}", f["shared_experts"][k], s)
+                       for k, s in mlp(a.moe_intermediate_size * a.n_shared_experts).items()]
+        else:
+            checks += [(f"layer {i} mlp {k}", f[k], s) for k, s in mlp(a.intermediate_size).items()]
+    for name, t, shape in checks:
+        got = tuple((t.w if isinstance(t, quant.Weight) else t).shape)
+        if got != shape:
+            raise checkpoint.CheckpointError(f"{path}: {name} has shape {got}, but config.json implies {shape}")
+
+
+# -----------------------------------------------------------------------------
+# The op table: every numerical op the wiring below (and attention.mla_forward, indexer.indexer_forward)
+# calls, for one backend. The NumPy table holds the `_ref` functions, the definition of the model; a
+# fast backend supplies a table with the same names and contracts, so the wiring exists once.
+
+def _zeros(shape, fp8):  # cache storage: FP8 codes (ml_dtypes) or float32
+    return np.zeros(shape, quant.E4M3 if fp8 else np.float32)
+
+
+NUMPY_OPS = SimpleNamespace(
+    # rounding points: official numerics round to bf16 where the official code holds bf16 tensors
+    bf16_round=quant.bf16_round, no_round=quant.no_round,
+    # number formats and linears
+    act_quant=quant.act_quant, linear=quant.linear_ref, dequant=quant.Weight.dequant,
+    # norms, RoPE
+    rms_norm=attention.rms_norm_ref, layer_norm=indexer.layer_norm_ref,
+    rope_interleaved=rope.rope_interleaved, rope_half_split=rope.rope_half_split,
+    # DSA: indexer and selection
+    rotate_activation=indexer.rotate_activation_ref, head_weights=indexer.head_weights_ref,
+    index_scores=indexer.index_scores_ref, topk_select=indexer.topk_select_ref,
+    # MLA
+    latent_fp8_roundtrip=attention.latent_fp8_roundtrip_ref, causal_mask=attention.causal_mask_ref,
+    mha=attention.mha_ref, mqa_absorbed=attention.mqa_absorbed_ref,
+    # feed-forward
+    mlp=moe.mlp_ref, moe=moe.moe_ref,
+    # glue
+    cat=lambda xs, axis: np.concatenate(xs, axis), zeros=_zeros,
+    tokens=lambda t: np.asarray(t), angles=lambda cos, sin: (cos, sin),
+    embed=lambda table, tokens: np.asarray(table[tokens], np.float32),
+    head=lambda h, w: h @ w.T, head_weight=lambda w: np.asarray(w, np.float32),
+)
+OPS = {"numpy": NUMPY_OPS}
+
+
 # -----------------------------------------------------------------------------
 # Caches: per layer, the latent c^KV, the rope key k^R, the indexer keys and their scales
-
-class IndexerCache(SimpleNamespace):
-    pass
-
 
 class LayerCache:
     """Grows (doubling) up to max_seq_len instead of being allocated whole."""
 
-    def __init__(self, B, args, fp8_keys):
-        self.B, self.args, self.cap = B, args, 0
-        kdt = quant.E4M3 if fp8_keys else np.float32
-        self.kv = np.zeros((B, 0, args.kv_lora_rank), np.float32)
-        self.pe = np.zeros((B, 0, args.qk_rope_head_dim), np.float32)
-        self.idx = IndexerCache(k=np.zeros((B, 0, args.index_head_dim), kdt), k_scale=np.zeros((B, 0), np.float32))
+    def __init__(self, B, args, fp8_keys, ops):
+        self.B, self.args, self.cap, self.ops, self.fp8_keys = B, args, 0, ops, fp8_keys
+        self.kv, self.pe, self.idx = self._alloc(0)         # [B, cap, C], [B, cap, R], keys [B, cap, D] + scales
+
+    def _alloc(self, cap):
+        z, a, B = self.ops.zeros, self.args, self.B
+        return (z((B, cap, a.kv_lora_rank), False), z((B, cap, a.qk_rope_head_dim), False),
+                SimpleNamespace(k=z((B, cap, a.index_head_dim), self.fp8_keys), k_scale=z((B, cap), False)))
 
     def reserve(self, end):
         if end <= self.cap:
             return
         cap = min(max(end, 2 * self.cap, 64), self.args.max_seq_len)
-
-        def grow(a):
-            b = np.zeros((a.shape[0], cap) + a.shape[2:], a.dtype)
-            b[:, :a.shape[1]] = a
-            return b
-
-        self.kv, self.pe = grow(self.kv), grow(self.pe)
-        self.idx.k, self.idx.k_scale = grow(self.idx.k), grow(self.idx.k_scale)
-        self.cap = cap
+        kv, pe, idx = self._alloc(cap)
+        n = self.cap
+        kv[:, :n], pe[:, :n] = self.kv[:, :n], self.pe[:, :n]
+        idx.k[:, :n], idx.k_scale[:, :n] = self.idx.k[:, :n], self.idx.k_scale[:, :n]
+        self.kv, self.pe, self.idx, self.cap = kv, pe, idx, cap
 
 
 # -----------------------------------------------------------------------------
@@ -208,21 +267,21 @@ class Transformer:
     """embed -> Block x L -> norm -> head, with caches owned here and passed down explicitly."""
 
     def __init__(self, args, weights, ck_path=None, numerics="official", attention_mode="sparse",
-                 indexer=None, backend="numpy"):
-        if backend != "numpy":
+                 indexer_mode=None, backend="numpy"):
+        if backend not in OPS:
             raise ValueError(f"backend {backend!r} is not available yet: this build has the NumPy reference "
                              "path only (the torch fast path is a separate issue)")
         if numerics not in ("official", "exact"):
             raise ValueError(f"numerics must be 'official' or 'exact', got {numerics!r}")
         if attention_mode not in ("sparse", "dense"):
             raise ValueError(f"attention must be 'sparse' or 'dense', got {attention_mode!r}")
-        indexer = indexer or ("fp8" if numerics == "official" else "exact")
-        if indexer not in ("fp8", "exact"):
-            raise ValueError(f"indexer must be 'fp8' or 'exact', got {indexer!r}")
+        indexer_mode = indexer_mode or ("fp8" if numerics == "official" else "exact")
+        if indexer_mode not in ("fp8", "exact"):
+            raise ValueError(f"indexer must be 'fp8' or 'exact', got {indexer_mode!r}")
         self.args, self.w, self.path = args, weights, ck_path
         self.opts = SimpleNamespace(official=numerics == "official", sparse=attention_mode == "sparse",
-                                    indexer_fp8=indexer == "fp8")
-        self.numerics, self.attention, self.indexer = numerics, attention_mode, indexer
+                                    indexer_fp8=indexer_mode == "fp8", ops=OPS[backend])
+        self.numerics, self.attention, self.indexer = numerics, attention_mode, indexer_mode
         self.freqs = rope.yarn_freqs(args.qk_rope_head_dim, args.rope_theta, args.max_seq_len, args.original_seq_len,
                                      args.rope_factor, args.rope_scaling.get("beta_fast", 32),
                                      args.rope_scaling.get("beta_slow", 1))
@@ -230,7 +289,7 @@ class Transformer:
 
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics="official", attention="sparse", indexer=None,
-                        max_seq_len=None, device=None):
+                        max_seq_len=None):
         """Open a checkpoint folder in the real layout; weights stay memory-mapped until used."""
         ck = checkpoint.Checkpoint(path)
         args = ModelArgs.from_config(ck.config, where=str(Path(path) / "config.json"),
@@ -238,9 +297,7 @@ class Transformer:
         weights = {"embed": ck.get("model.embed_tokens.weight"), "norm": np.asarray(ck.get("model.norm.weight"), np.float32),
                    "head": ck.get("lm_head.weight"),
                    "layers": [load_layer(ck, i, args) for i in range(args.num_hidden_layers)]}  # MTP layer skipped
-        if weights["embed"].shape != (args.vocab_size, args.hidden_size):
-            raise checkpoint.CheckpointError(f"{path}: embed_tokens has shape {weights['embed'].shape}, config says "
-                                             f"{(args.vocab_size, args.hidden_size)}")
+        check_shapes(weights, args, path)
         return cls(args, weights, path, numerics, attention, indexer, backend)
 
     def _check_tokens(self, tokens, start_pos):
@@ -266,34 +323,33 @@ class Transformer:
         when start_pos > 0 (one token: decode; several: a prefill chunk)."""
         tokens = self._check_tokens(tokens, start_pos)
         B, T = tokens.shape
-        a, o = self.args, self.opts
+        a, o, ops = self.args, self.opts, self.opts.ops
         if start_pos == 0:
-            self.caches = [LayerCache(B, a, o.indexer_fp8) for _ in range(a.num_hidden_layers)]
+            self.caches = [LayerCache(B, a, o.indexer_fp8, ops) for _ in range(a.num_hidden_layers)]
         end = start_pos + T
         for c in self.caches:
             c.reserve(end)
-        cos, sin = rope.rope_angles(self.freqs, np.arange(start_pos, end))    # [T, R/2]
-        rnd = quant.bf16_round if o.official else quant.no_round
+        cos, sin = ops.angles(*rope.rope_angles(self.freqs, np.arange(start_pos, end)))   # [T, R/2] each
 
-        h = np.asarray(self.w["embed"][tokens], np.float32)                # [B, T, d] (bf16 values)
+        h = ops.embed(self.w["embed"], ops.tokens(tokens))                  # [B, T, d] (bf16 values)
         residual = None
         for i, (lw, cache) in enumerate(zip(self.w["layers"], self.caches)):
             x, residual = self._norm(h, residual, lw["attn_norm"])
             x = attention.mla_forward(x, lw["attn"], cache, start_pos, cos, sin, a, o)
             x, residual = self._norm(x, residual, lw["ffn_norm"])
-            x2 = x.reshape(B * T, -1)
+            x = x.reshape(B * T, -1)                                        # [M, d], M = B*T tokens
             if i < a.first_k_dense_replace:
-                h = moe.mlp_forward(x2, lw["ffn"], o.official).reshape(B, T, -1)
+                h = ops.mlp(x, lw["ffn"], o.official).reshape(B, T, -1)
             else:
-                h = moe.moe_forward(x2, lw["ffn"], a, o.official).reshape(B, T, -1)
+                h = ops.moe(x, lw["ffn"], a, o.official).reshape(B, T, -1)
         h, _ = self._norm(h, residual, self.w["norm"])
         self.cached_len = end
-        h = h if all_positions else h[:, -1]
-        if "head32" not in self.w:                                       # fp32 head weights (official), once
-            self.w["head32"] = np.asarray(self.w["head"], np.float32)
-        return (h @ self.w["head32"].T).astype(np.float32)                # [B, (T,) V]
+        if "head_f32" not in self.w:                                    # fp32 head weights (official), once
+            self.w["head_f32"] = ops.head_weight(self.w["head"])
+        return ops.head(h if all_positions else h[:, -1], self.w["head_f32"])   # [B, (T,) V] float32
 
     def _norm(self, x, residual, w):  # fused residual add (official): norm of the fp32 sum, residual rounded
-        rnd = quant.bf16_round if self.opts.official else quant.no_round
-        s = x if residual is None else np.asarray(x, np.float32) + residual
-        return attention.rms_norm(s, w, self.args.rms_norm_eps, rnd), rnd(s)
+        ops = self.opts.ops
+        rnd = ops.bf16_round if self.opts.official else ops.no_round
+        s = x if residual is None else x + residual                       # fp32 sum of two bf16 tensors
+        return ops.rms_norm(s, w, self.args.rms_norm_eps, rnd), rnd(s)

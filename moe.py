@@ -21,7 +21,7 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
-def mlp_forward(x, p, official):  # [M, d] -> [M, d]: w2( silu(w1 x) * (w3 x) ), SwiGLU
+def mlp_ref(x, p, official):  # [M, d] -> [M, d]: w2( silu(w1 x) * (w3 x) ), SwiGLU
     rnd = quant.bf16_round if official else quant.no_round
     a = quant.linear_ref(x, p["w1"], official)
     b = quant.linear_ref(x, p["w3"], official)
@@ -57,12 +57,12 @@ def gate_ref(x, weight, bias, args):  # [M, d], [E, d], [E] or None -> weights [
     return (w * np.float32(args.routed_scaling_factor)).astype(np.float32), idx
 
 
-def moe_forward(x, p, args, official):  # [M, d] -> [M, d]
+def moe_ref(x, p, args, official):  # [M, d] -> [M, d]
     """Routed experts accumulate in fp32 in expert-id order, the shared experts last, one rounding."""
     w, idx = gate_ref(x, p["gate"].dequant(), p.get("gate_bias"), args)
     y = np.zeros(x.shape, np.float32)
     for e in np.unique(idx):                                              # only experts some token chose
         tok, slot = np.nonzero(idx == e)
-        y[tok] += mlp_forward(x[tok], p["experts"][e], official) * w[tok, slot, None]
-    y += mlp_forward(x, p["shared_experts"], official)                   # eq. (12), shared experts
+        y[tok] += mlp_ref(x[tok], p["experts"][e], official) * w[tok, slot, None]
+    y += mlp_ref(x, p["shared_experts"], official)                   # eq. (12), shared experts
     return quant.bf16_round(y) if official else y

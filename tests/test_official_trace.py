@@ -14,7 +14,7 @@ import moe
 import quant
 from conftest import FIXTURE_CKPT
 from helpers import assert_bf16_close, rel_err
-from model import ModelArgs, Transformer, load_layer
+from model import NUMPY_OPS, LayerCache, ModelArgs, Transformer, load_layer
 
 
 @pytest.fixture(scope="module")
@@ -38,32 +38,32 @@ def test_attention_ops(fx, trace, i):
 
     # RMSNorm, fused with the residual add from layer 1 on
     if i == 0:
-        assert_bf16_close(attention.rms_norm(t["attn_norm_in"], layers[i]["attn_norm"], eps, rb), t["attn_norm_out"], what="attn_norm")
+        assert_bf16_close(attention.rms_norm_ref(t["attn_norm_in"], layers[i]["attn_norm"], eps, rb), t["attn_norm_out"], what="attn_norm")
     else:
         s = t["attn_norm_in"] + t["attn_norm_residual_in"]
-        assert_bf16_close(attention.rms_norm(s, layers[i]["attn_norm"], eps, rb), t["attn_norm_out"], what="attn_norm")
+        assert_bf16_close(attention.rms_norm_ref(s, layers[i]["attn_norm"], eps, rb), t["attn_norm_out"], what="attn_norm")
         assert_bf16_close(rb(s), t["attn_norm_residual_out"], what="residual")
     x = t["attn_norm_out"]
 
     # query and latent projections
     assert_bf16_close(quant.linear_ref(x, p["wq_a"], True), t["wq_a_out"], what="wq_a")
-    assert_bf16_close(attention.rms_norm(t["wq_a_out"], p["q_norm"], eps, rb), t["qr"], what="q_norm")
+    assert_bf16_close(attention.rms_norm_ref(t["wq_a_out"], p["q_norm"], eps, rb), t["qr"], what="q_norm")
     assert_bf16_close(quant.linear_ref(t["qr"], p["wq_b"], True), t["wq_b_out"], what="wq_b")
     assert_bf16_close(quant.linear_ref(x, p["wkv_a"], True), t["wkv_a_out"], what="wkv_a")
-    assert_bf16_close(attention.rms_norm(t["wkv_a_out"][..., :C], p["kv_norm"], eps, rb), t["kv_normed"], what="kv_norm")
+    assert_bf16_close(attention.rms_norm_ref(t["wkv_a_out"][..., :C], p["kv_norm"], eps, rb), t["kv_normed"], what="kv_norm")
 
     # the FP8 latent round trip, bit for bit
     q8, s = quant.act_quant(t["kv_normed"])
     np.testing.assert_array_equal(bits(q8), t["kv_fp8_bits"])
     np.testing.assert_array_equal(s, t["kv_fp8_scale"])
-    np.testing.assert_array_equal(attention.latent_fp8_roundtrip(t["kv_normed"]), t["kv_latent"])
+    np.testing.assert_array_equal(attention.latent_fp8_roundtrip_ref(t["kv_normed"]), t["kv_latent"])
     assert_bf16_close(quant.linear_ref(t["kv_latent"], p["wkv_b"], True), t["wkv_b_out"], what="wkv_b")
 
     # the indexer, op by op
     ip = p["indexer"]
     assert_bf16_close(quant.linear_ref(t["qr"], ip["wq_b"], True), t["idx_wq_b_out"], what="idx wq_b")
     assert_bf16_close(quant.linear_ref(x, ip["wk"], True), t["idx_wk_out"], what="idx wk")
-    assert_bf16_close(rb(indexer.layer_norm(t["idx_wk_out"], ip["k_norm"], ip["k_norm_bias"])), t["idx_k_normed"], what="k_norm")
+    assert_bf16_close(rb(indexer.layer_norm_ref(t["idx_wk_out"], ip["k_norm"], ip["k_norm_bias"])), t["idx_k_normed"], what="k_norm")
     assert_bf16_close(rb(indexer.rotate_activation_ref(t["idx_q_before_hadamard"])), t["idx_q_rotated"], what="hadamard q")
     assert_bf16_close(rb(indexer.rotate_activation_ref(t["idx_k_before_hadamard"])), t["idx_k_rotated"], what="hadamard k")
     qi, qs = quant.act_quant(t["idx_q_rotated"])
@@ -73,7 +73,7 @@ def test_attention_ops(fx, trace, i):
     np.testing.assert_array_equal(ks, t["idx_k_scale"])
     proj = np.asarray(x, np.float32) @ ip["weights_proj"].dequant().T
     assert rel_err(proj, t["idx_weights_proj_out"]) <= 1e-6
-    w = indexer.head_weights(x, ip["weights_proj"], qs[..., 0], a.index_n_heads, a.index_head_dim)
+    w = indexer.head_weights_ref(x, ip["weights_proj"], qs[..., 0], a.index_n_heads, a.index_head_dim)
     assert rel_err(w, t["idx_weights_folded"][..., 0]) <= 1e-6
     I = indexer.index_scores_ref(t["idx_q_fp8_bits"].view(quant.E4M3), t["idx_weights_folded"][..., 0],
                                  t["idx_k_fp8_bits"].view(quant.E4M3), t["idx_k_scale"][..., 0])
@@ -86,24 +86,22 @@ def test_attention_ops(fx, trace, i):
 
     # MHA-mode attention core on the trace's q, k, v and selection
     H, N, R, V = a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
-    q = t["wq_b_out"].reshape(1, T, H, N + R)
-    q = np.concatenate([q[..., :N], t["q_pe_roped"]], -1)
+    q_nope = t["wq_b_out"].reshape(1, T, H, N + R)[..., :N]
     kvb = t["wkv_b_out"].reshape(1, T, H, N + V)
-    k = np.concatenate([kvb[..., :N], np.broadcast_to(t["k_pe_roped"], (1, T, H, R))], -1)
     allowed = np.zeros((1, T, T), bool)
     np.put_along_axis(allowed[0], t["idx_topk"][0], True, -1)
     allowed &= np.tri(T, dtype=bool)
-    o = attention.mha_ref(q, k, kvb[..., N:], allowed, a.softmax_scale, rb)
+    o = attention.mha_ref(q_nope, t["q_pe_roped"], kvb[..., :N], t["k_pe_roped"][:, :, 0], kvb[..., N:], allowed,
+                          a.softmax_scale, rb)
     assert_bf16_close(o.reshape(1, T, -1), t["attn_core_out"], what="attention core")
     assert_bf16_close(quant.linear_ref(t["attn_core_out"], p["wo"], True), t["attn_out"], what="wo")
 
     # the whole attention layer from its input reproduces the trace's output
-    from model import LayerCache
-    cache = LayerCache(1, a, True)
+    cache = LayerCache(1, a, True, NUMPY_OPS)
     cache.reserve(T)
     cos, sin = _angles(a, T)
     from types import SimpleNamespace
-    out = attention.mla_forward(x, p, cache, 0, cos, sin, a, SimpleNamespace(official=True, sparse=True, indexer_fp8=True))
+    out = attention.mla_forward(x, p, cache, 0, cos, sin, a, SimpleNamespace(official=True, sparse=True, indexer_fp8=True, ops=NUMPY_OPS))
     assert_bf16_close(out, t["attn_out"], what="mla_forward")
     np.testing.assert_array_equal(bits(cache.idx.k[:, :T]), t["idx_k_fp8_bits"])
     np.testing.assert_array_equal(cache.kv[:, :T], t["kv_latent"])
@@ -122,7 +120,7 @@ def test_ffn_ops(fx, trace):
     for i in (0, 1):
         t = {k.split(".", 1)[1]: v for k, v in trace.items() if k.startswith(f"l{i}.")}
         s = t["ffn_norm_in"] + t["ffn_norm_residual_in"]
-        assert_bf16_close(attention.rms_norm(s, layers[i]["ffn_norm"], a.rms_norm_eps, rb), t["ffn_norm_out"], what="ffn_norm")
+        assert_bf16_close(attention.rms_norm_ref(s, layers[i]["ffn_norm"], a.rms_norm_eps, rb), t["ffn_norm_out"], what="ffn_norm")
         assert_bf16_close(rb(s), t["ffn_norm_residual_out"], what="ffn residual")
         x = t["ffn_norm_out"].reshape(-1, a.hidden_size)
         f = layers[i]["ffn"]
@@ -132,7 +130,7 @@ def test_ffn_ops(fx, trace):
             w2_in = rb(moe.silu(t["mlp_w1_out"]) * t["mlp_w3_out"])
             assert_bf16_close(w2_in, t["mlp_w2_in"], what="silu * up")
             assert_bf16_close(quant.linear_ref(t["mlp_w2_in"], f["w2"], True), t["ffn_out"], what="w2")
-            assert_bf16_close(moe.mlp_forward(x, f, True), t["ffn_out"].reshape(x.shape), what="mlp")
+            assert_bf16_close(moe.mlp_ref(x, f, True), t["ffn_out"].reshape(x.shape), what="mlp")
         else:
             w, idx = moe.gate_ref(x, f["gate"].dequant(), f["gate_bias"], a)
             for r in range(x.shape[0]):
@@ -140,8 +138,8 @@ def test_ffn_ops(fx, trace):
                 order = np.argsort(idx[r])
                 ref_order = np.argsort(t["gate_indices"][r])
                 assert rel_err(w[r][order], t["gate_weights"][r][ref_order]) <= 1e-6
-            assert_bf16_close(moe.mlp_forward(x, f["shared_experts"], True), t["shared_out"], what="shared expert")
-            assert_bf16_close(moe.moe_forward(x, f, a, True), t["ffn_out"].reshape(x.shape), what="moe")
+            assert_bf16_close(moe.mlp_ref(x, f["shared_experts"], True), t["shared_out"], what="shared expert")
+            assert_bf16_close(moe.moe_ref(x, f, a, True), t["ffn_out"].reshape(x.shape), what="moe")
 
 
 def test_fixture_loads_and_skips_mtp():
