@@ -64,9 +64,8 @@ def latent_fp8_roundtrip_ref(c_kv):  # [..., C] bf16 values -> [..., C] bf16 val
     return quant.bf16_round(quant.act_dequant(*quant.act_quant(c_kv)))   # exact: power-of-two scales
 
 
-def causal_mask_ref(B, T, start_pos):  # -> [B, T, S] bool, key s visible to query t iff s <= start_pos + t
-    S = start_pos + T
-    return np.broadcast_to(np.arange(S)[None, :] <= (start_pos + np.arange(T))[:, None], (B, T, S))
+def causal_mask_ref(B, T, start_pos):  # -> [B, T, S] bool: dense attention, every causal key
+    return np.broadcast_to(indexer.causal_ref(T, start_pos), (B, T, start_pos + T))
 
 
 def mla_forward(x, p, cache, start_pos, cos, sin, args, opts):

@@ -92,7 +92,7 @@ def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, 
         c = tokens[i, n:n + max_new_tokens]
         c = c[c >= 0].tolist()
         out.append(c[:c.index(eos_id)] if eos_id in c else c)
-    model.fed = tokens[0, :prev].tolist() if B == 1 else None        # what the caches hold now
+    stats["cached"] = tokens[0, :prev].tolist() if B == 1 else None   # what the caches hold now
     return out, stats
 
 
@@ -177,8 +177,7 @@ def main(argv=None):
 
 
 def interactive(model, tok, a, rng, eos):
-    messages = []
-    model.fed = []
+    messages, cached = [], []                      # cached: the token ids the model's caches hold
     while True:
         try:
             line = input(">>> ")
@@ -187,18 +186,17 @@ def interactive(model, tok, a, rng, eos):
         if line.strip() == "/exit":
             return
         if line.strip() == "/clear":
-            messages, model.fed = [], []
+            messages, cached = [], []
             continue
         messages.append({"role": "user", "content": line})
         ids = tok.encode(chat.render(messages), add_special_tokens=False).ids
-        reuse = 0                                     # longest prefix the caches already hold
-        for x, y in zip(model.fed or [], ids[:-1]):
-            if x != y:
-                break
+        reuse = 0                                  # longest prefix already cached (at least one token left to feed)
+        while reuse < min(len(cached), len(ids) - 1) and cached[reuse] == ids[reuse]:
             reuse += 1
         out, stats = generate(model, [ids], a.max_new_tokens, eos, a.temperature, rng, Streamer(tok).put, reuse)
         print()
         report(stats)
+        cached = stats["cached"]
         messages.append({"role": "assistant", "content": tok.decode(out[0], skip_special_tokens=True)})
 
 

@@ -66,11 +66,15 @@ def index_scores_ref(q, w, k, k_scale):  # [B, T, J, D], [B, T, J], [B, S, D], [
 # -----------------------------------------------------------------------------
 # eq. (2): causal top-k selection
 
+def causal_ref(T, start_pos):  # -> [T, S] bool: key s visible to query t iff s <= start_pos + t
+    return np.arange(start_pos + T)[None, :] <= (start_pos + np.arange(T))[:, None]
+
+
 def topk_select_ref(I, K, start_pos):  # [B, T, S] f32, top-k, offset -> [B, T, S] bool
     """Select min(K, S) keys per query among the causal ones (key s <= start_pos + t). Ties break
     toward the lower key index (a stable sort), so two runs always choose alike."""
     B, T, S = I.shape
-    causal = np.arange(S)[None, :] <= (start_pos + np.arange(T))[:, None]      # [T, S]
+    causal = causal_ref(T, start_pos)                                         # [T, S]
     masked = np.where(causal[None], I, -np.inf)
     k = min(K, S)
     order = np.argsort(-masked, axis=-1, kind="stable")[..., :k]              # [B, T, k]
