@@ -138,12 +138,15 @@ def main(argv=None):
         ap.error(f"--ckpt {a.ckpt}: no such folder")
 
     tok = load_tokenizer(a.ckpt)
+    print(f"loading {a.ckpt} (memory-mapped; weights are read as layers use them)", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     try:
         model = Transformer.from_pretrained(a.ckpt, backend=a.backend, numerics=a.numerics, attention=a.attention,
                                             indexer=a.indexer, max_seq_len=a.max_seq_len)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
     args = model.args
+    print(f"loaded {args.num_hidden_layers} layers in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print(f"ckpt={a.ckpt} backend={a.backend} numerics={model.numerics} attention={model.attention} "
           f"indexer={model.indexer} max_seq_len={args.max_seq_len} yarn={'on' if args.yarn_active else 'off'} "
           f"index_topk={args.index_topk} temperature={a.temperature} seed={a.seed} max_new_tokens={a.max_new_tokens}",

@@ -60,9 +60,22 @@ class ModelArgs:
     rope_scaling: dict = field(default_factory=dict)   # YaRN: factor, original_max_position_embeddings, beta_*, mscale
     max_position_embeddings: int = 163840  # longest context the checkpoint claims
     quantization_config: dict | None = None   # fp8 e4m3, ue8m0 scales, 128x128 blocks
-    bos_token_id: int = 0
-    eos_token_id: int = 1
+    bos_token_id: int = 0                 # <｜begin▁of▁sentence｜>
+    eos_token_id: int = 1                 # <｜end▁of▁sentence｜>, ends generation
     num_nextn_predict_layers: int = 0     # MTP modules stored after the main layers (skipped)
+    hidden_act: str = "silu"              # SwiGLU's gate activation (checked: silu only)
+    attention_bias: bool = False          # MLA projections carry no bias (checked)
+    tie_word_embeddings: bool = False     # separate embedding and head (checked)
+    moe_layer_freq: int = 1               # every layer after the dense ones is MoE (checked)
+    num_key_value_heads: int = 128        # unused by MLA (its latent is shared by all heads)
+    ep_size: int = 1                      # training-time expert parallelism; unused here
+    attention_dropout: float = 0.0        # training only; unused
+    initializer_range: float = 0.02       # training only; unused
+    architectures: list = field(default_factory=list)   # bookkeeping of the HF checkpoint; unused
+    model_type: str = "deepseek_v32"
+    torch_dtype: str = "bfloat16"
+    transformers_version: str = ""
+    use_cache: bool = True
     # derived in __post_init__
     max_seq_len: int = 0                  # this run's context (default max_position_embeddings)
     softmax_scale: float = 0.0            # d_qk^-0.5 * mscale^2 (with YaRN)
@@ -105,6 +118,13 @@ class ModelArgs:
                              f"and be >= topk_group {self.topk_group}")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError("num_experts_per_tok exceeds n_routed_experts")
+        unsupported = {"hidden_act": (self.hidden_act, "silu"), "attention_bias": (self.attention_bias, False),
+                       "tie_word_embeddings": (self.tie_word_embeddings, False), "moe_layer_freq": (self.moe_layer_freq, 1)}
+        for k, (got, want) in unsupported.items():
+            if got != want:
+                raise ValueError(f"{k}={got!r} is not a DeepSeek-V3.2 architecture this code implements (expects {want!r})")
+        if self.topk_method not in ("noaux_tc", "greedy"):
+            raise ValueError(f"topk_method {self.topk_method!r} is not noaux_tc (bias-corrected) or greedy")
         if self.scoring_func not in ("sigmoid", "softmax"):
             raise ValueError(f"scoring_func {self.scoring_func!r} is not sigmoid or softmax")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:

@@ -32,6 +32,8 @@ REAL_CONFIG = {   # spec/dsv32.md §1, the DeepSeek-V3.2(-Exp) config.json
 
 def test_real_config_loads_unchanged():
     a = ModelArgs.from_config(REAL_CONFIG, max_seq_len=16384)
+    for k, v in REAL_CONFIG.items():                                     # every field, kept as is
+        assert getattr(a, k) == v, k
     assert (a.hidden_size, a.index_topk, a.n_group, a.kv_lora_rank) == (7168, 2048, 8, 512)
     assert a.yarn_active and a.fp8 and abs(a.softmax_scale - 0.1352337789) < 1e-9
     assert not ModelArgs.from_config(REAL_CONFIG, max_seq_len=4096).yarn_active      # the official condition
@@ -44,6 +46,9 @@ def test_real_config_loads_unchanged():
     ({"index_head_dim": 96}, "index_head_dim 96"),
     ({"scoring_func": "relu"}, "scoring_func"),
     ({"num_experts_per_tok": 300}, "num_experts_per_tok"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ({"topk_method": "aux"}, "topk_method"),
 ])
 def test_bad_configs_are_named(change, message):
     cfg = dict(REAL_CONFIG)
