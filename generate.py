@@ -3,6 +3,8 @@
     python generate.py --ckpt DIR --prompt "Hello"            one prompt, streamed
     python generate.py --ckpt DIR --input-file prompts.txt    prompts split on blank lines, one batch
     python generate.py --ckpt DIR --interactive               a chat; /clear resets, /exit quits
+    python generate.py --ckpt DIR --interactive --thinking --tools tools.json   reasoning shown apart,
+                                                              tool calls printed, their results asked for
 
 The loop is the official demo's (spec/dsv32.md §6): prefill the shortest prompt, then one token at a
 time, longer prompts teacher-forced; sampling is argmax(softmax(logits / T) / Exp(1)), an exact
@@ -10,6 +12,7 @@ categorical draw; temperature 0 is greedy. Unlike the demo, a chat turn reuses t
 conversation and prefills only the new tokens (a prefill chunk at start_pos > 0).
 """
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -37,20 +40,43 @@ def sample(logits, temperature, rng):  # [B, V] f32 -> [B] int
     return (p / rng.exponential(size=p.shape)).argmax(-1)          # exponential race = categorical
 
 
-class Streamer:
-    """Prints one sequence's new text as tokens arrive, holding back an incomplete UTF-8 tail."""
+class ChatPrinter:
+    """Token ids in, the parsed chat out as it streams: reasoning under a [reasoning] header, the
+    answer under [answer] (headers only when there is reasoning), each tool call as one JSON line,
+    malformed output noted on stderr."""
 
-    def __init__(self, tok, out=sys.stdout):
-        self.tok, self.out, self.ids, self.shown = tok, out, [], ""
+    def __init__(self, tok, fmt, prompt, tools=None, out=sys.stdout, err=sys.stderr):
+        self.detok = chat.Detokenizer(tok)
+        self.parser = chat.StreamParser(fmt, prompt, tools)
+        self.out, self.err = out, err
+        self.section, self.names, self.text = None, {}, {"reasoning": "", "content": ""}
 
-    def put(self, token_id):
-        self.ids.append(int(token_id))
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return                                                  # wait for the rest of the character
-        self.out.write(text[len(self.shown):])
+    def token(self, token_id):
+        self._show(self.parser.feed(self.detok.feed(token_id)))
+
+    def finish(self):  # -> {"reasoning", "content", "tool_calls", "finish_reason", "errors"} as chat.parse
+        self._show(self.parser.feed(self.detok.flush()) + self.parser.finish())
+        p = self.parser
+        return {"reasoning": self.text["reasoning"] or None, "content": self.text["content"] or None,
+                "tool_calls": p.calls, "finish_reason": p.finish_reason, "errors": p.errors}
+
+    def _show(self, events):
+        for e in events:
+            kind = e["type"]
+            if kind in ("reasoning", "content"):
+                if self.section != kind and (kind == "reasoning" or self.section == "reasoning"):
+                    self.out.write(("\n" if self.section else "") + f"[{'reasoning' if kind == 'reasoning' else 'answer'}] ")
+                self.section = kind
+                self.text[kind] += e["text"]
+                self.out.write(e["text"])
+            elif kind == "tool_call":
+                self.names[e["index"]] = e["name"]
+            elif kind == "tool_call_done":
+                call = {"name": self.names[e["index"]], "arguments": json.loads(e["arguments"])}
+                self.out.write("\n[tool call] " + json.dumps(call, ensure_ascii=False) + "\n")
+            elif kind == "error":
+                self.err.write(f"\n[malformed model output: {e['reason']}] {e['text']!r}\n")
         self.out.flush()
-        self.shown = text
 
 
 def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, on_token=None, reuse=0):
@@ -104,9 +130,25 @@ def report(stats, err=sys.stderr):
           file=err)
 
 
-def encode(tok, text, raw):
-    prompt = text if raw else chat.render([{"role": "user", "content": text}])
-    return tok.encode(prompt, add_special_tokens=False).ids
+def load_tools(path):  # an OpenAI-style JSON tool list
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(f"error: --tools {p}: no such file")
+    try:
+        tools = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: --tools {p}: not valid JSON ({e})")
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and "name" in t.get("function", t) for t in tools):
+        raise SystemExit(f"error: --tools {p}: expected a JSON list of tools, each with a function name")
+    return tools
+
+
+def user_turn(tok, text, a):  # one user turn (or the raw text) -> (prompt text, token ids)
+    prompt = text if a.raw else chat.encode([{"role": "user", "content": text}], fmt=a.chat_format,
+                                            thinking=a.thinking, tools=a.tool_list)
+    return prompt, tok.encode(prompt, add_special_tokens=False).ids
 
 
 def main(argv=None):
@@ -117,6 +159,11 @@ def main(argv=None):
     src.add_argument("--input-file", help="a text file of prompts separated by blank lines, generated as one batch")
     src.add_argument("--interactive", action="store_true", help="chat on stdin; /clear resets the conversation, /exit quits")
     ap.add_argument("--raw", action="store_true", help="feed the prompt text as is, without the chat format")
+    ap.add_argument("--chat-format", choices=chat.FORMATS, default=None,
+                    help="v32exp (V3.1/V3.2-Exp template), dsml32 (V3.2), dsml4 (V4); default: from the checkpoint "
+                         "(its tokenizer_config.json chat_template, else its model_type)")
+    ap.add_argument("--thinking", action="store_true", help="thinking mode: the model reasons first; shown apart")
+    ap.add_argument("--tools", default=None, help="an OpenAI-style JSON tool list, described in the system prompt")
     ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt (default 200)")
     ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 is greedy (default 0.6)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampler's random numbers (default 0)")
@@ -136,6 +183,8 @@ def main(argv=None):
         ap.error("--max-seq-len must be positive")
     if not Path(a.ckpt).is_dir():
         ap.error(f"--ckpt {a.ckpt}: no such folder")
+    a.tool_list = load_tools(a.tools)
+    a.chat_format = a.chat_format or chat.default_format(a.ckpt)
 
     tok = load_tokenizer(a.ckpt)
     print(f"loading {a.ckpt} (memory-mapped; weights are read as layers use them)", file=sys.stderr, flush=True)
@@ -149,15 +198,18 @@ def main(argv=None):
     print(f"loaded {args.num_hidden_layers} layers in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print(f"ckpt={a.ckpt} backend={a.backend} numerics={model.numerics} attention={model.attention} "
           f"indexer={model.indexer} max_seq_len={args.max_seq_len} yarn={'on' if args.yarn_active else 'off'} "
-          f"index_topk={args.index_topk} temperature={a.temperature} seed={a.seed} max_new_tokens={a.max_new_tokens}",
+          f"index_topk={args.index_topk} chat_format={'raw' if a.raw else a.chat_format} thinking={a.thinking} "
+          f"tools={len(a.tool_list or [])} temperature={a.temperature} seed={a.seed} max_new_tokens={a.max_new_tokens}",
           file=sys.stderr)
     rng = np.random.default_rng(a.seed)
     eos = args.eos_token_id
 
     try:
         if a.prompt is not None:
-            out, stats = generate(model, [encode(tok, a.prompt, a.raw)], a.max_new_tokens, eos, a.temperature, rng,
-                                  Streamer(tok).put)
+            prompt, ids = user_turn(tok, a.prompt, a)
+            printer = ChatPrinter(tok, "v32exp" if a.raw else a.chat_format, "" if a.raw else prompt, a.tool_list)
+            out, stats = generate(model, [ids], a.max_new_tokens, eos, a.temperature, rng, printer.token)
+            printer.finish()
             print()
             report(stats)
         elif a.input_file is not None:
@@ -168,10 +220,21 @@ def main(argv=None):
             if not texts:
                 raise SystemExit(f"error: --input-file {path} holds no prompt")
             print(f"generating {len(texts)} prompts as one batch", file=sys.stderr)
-            out, stats = generate(model, [encode(tok, t, a.raw) for t in texts], a.max_new_tokens, eos,
-                                  a.temperature, rng)
-            for t, c in zip(texts, out):
-                print(f"Prompt: {t}\nCompletion: {tok.decode(c, skip_special_tokens=True)}\n")
+            turns = [user_turn(tok, t, a) for t in texts]
+            out, stats = generate(model, [ids for _, ids in turns], a.max_new_tokens, eos, a.temperature, rng)
+            for t, (prompt, _), c in zip(texts, turns, out):
+                text = tok.decode(c, skip_special_tokens=True)
+                if a.raw:
+                    print(f"Prompt: {t}\nCompletion: {text}\n")
+                    continue
+                r = chat.parse(text, a.chat_format, prompt, a.tool_list)
+                print(f"Prompt: {t}")
+                if r["reasoning"] is not None:
+                    print(f"Reasoning: {r['reasoning']}")
+                print(f"Completion: {r['content'] or ''}")
+                for call in r["tool_calls"]:
+                    print("Tool call: " + json.dumps(call, ensure_ascii=False))
+                print()
             report(stats)
         else:
             interactive(model, tok, a, rng, eos)
@@ -179,11 +242,13 @@ def main(argv=None):
         raise SystemExit(f"error: {e}")
 
 
-def interactive(model, tok, a, rng, eos):
-    messages, cached = [], []                      # cached: the token ids the model's caches hold
+def interactive(model, tok, a, rng, eos, read=input, out=sys.stdout):
+    """A multi-turn chat. Each model turn reuses the cached conversation (only what the caches lack
+    is prefilled); a tool call is printed and its result asked for, then the model goes on."""
+    messages, cached = [], []                        # cached: the token ids the model's caches hold
     while True:
         try:
-            line = input(">>> ")
+            line = read(">>> ")
         except EOFError:
             return
         if line.strip() == "/exit":
@@ -192,15 +257,33 @@ def interactive(model, tok, a, rng, eos):
             messages, cached = [], []
             continue
         messages.append({"role": "user", "content": line})
-        ids = tok.encode(chat.render(messages), add_special_tokens=False).ids
-        reuse = 0                                  # longest prefix already cached (at least one token left to feed)
-        while reuse < min(len(cached), len(ids) - 1) and cached[reuse] == ids[reuse]:
-            reuse += 1
-        out, stats = generate(model, [ids], a.max_new_tokens, eos, a.temperature, rng, Streamer(tok).put, reuse)
-        print()
-        report(stats)
-        cached = stats["cached"]
-        messages.append({"role": "assistant", "content": tok.decode(out[0], skip_special_tokens=True)})
+        while True:                                  # model turns until it answers without a tool call
+            prompt = chat.encode(messages, fmt=a.chat_format, thinking=a.thinking, tools=a.tool_list)
+            ids = tok.encode(prompt, add_special_tokens=False).ids
+            reuse = 0                                # the longest prefix already cached, one token left to feed
+            while reuse < min(len(cached), len(ids) - 1) and cached[reuse] == ids[reuse]:
+                reuse += 1
+            printer = ChatPrinter(tok, a.chat_format, prompt, a.tool_list, out=out)
+            _, stats = generate(model, [ids], a.max_new_tokens, eos, a.temperature, rng, printer.token, reuse)
+            r = printer.finish()
+            print(file=out)
+            report(stats)
+            cached = stats["cached"]
+            reply = {"role": "assistant", "content": r["content"] or ""}
+            if r["reasoning"]:
+                reply["reasoning_content" if a.chat_format == "dsml32" else "reasoning"] = r["reasoning"]
+            if r["tool_calls"]:
+                reply["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                       for c in r["tool_calls"]]
+            messages.append(reply)
+            if not r["tool_calls"]:
+                break
+            for c in r["tool_calls"]:
+                try:
+                    result = read(f"result of {c['name']}> ")
+                except EOFError:
+                    return
+                messages.append({"role": "tool", "content": result})
 
 
 if __name__ == "__main__":

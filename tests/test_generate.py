@@ -92,3 +92,66 @@ def test_sampling_is_an_exact_categorical_draw():
     freq = np.bincount(draws, minlength=3) / len(draws)
     assert np.allclose(freq, [0.5, 0.3, 0.2], atol=0.03)
     assert generate.sample(logits, 0, rng)[0] == 0
+
+
+class ScriptedModel:
+    """Stands in for the Transformer: each forward call 'predicts' the next token of a script, so the
+    chat wiring (tool calls, results, cache reuse) can be checked without a trained model."""
+
+    def __init__(self, script, vocab=129280):
+        from types import SimpleNamespace
+        self.script, self.vocab, self.calls = list(script), vocab, []
+        self.args = SimpleNamespace(max_seq_len=4096)
+
+    def forward(self, tokens, start_pos=0):
+        tokens = np.asarray(tokens)
+        self.calls.append((start_pos, tokens.shape[1]))
+        logits = np.zeros((tokens.shape[0], self.vocab), np.float32)
+        logits[:, self.script.pop(0) if self.script else 1] = 1
+        return logits
+
+
+def test_interactive_tool_round_trip(tiny):
+    from types import SimpleNamespace
+    import chat
+    tok = generate.load_tokenizer(tiny)
+    call = (chat.CALLS_BEGIN + chat.CALL_BEGIN + "get_time" + chat.TOOL_SEP + '{"city": "東京"}' + chat.CALL_END
+            + chat.CALLS_END)
+    script = tok.encode(call, add_special_tokens=False).ids + [1] + tok.encode("It is 10:00.", add_special_tokens=False).ids + [1]
+    model = ScriptedModel(script)
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    a = SimpleNamespace(chat_format="v32exp", thinking=False, tool_list=tools, max_new_tokens=40, temperature=0)
+    answers = iter(["What time is it in Tokyo?", "10:00", "/exit"])
+    asked = []
+
+    def read(prompt):
+        asked.append(prompt)
+        return next(answers)
+
+    import io
+    out = io.StringIO()
+    generate.interactive(model, tok, a, np.random.default_rng(0), 1, read=read, out=out)
+    text = out.getvalue()
+    assert '[tool call] {"name": "get_time", "arguments": {"city": "東京"}}' in text
+    assert "It is 10:00." in text
+    assert asked == [">>> ", "result of get_time> ", ">>> "]
+    # the second model turn prefilled only the tool result: it started from the cached conversation
+    second_turn_start = [s for s, n in model.calls if n > 1][1]
+    assert second_turn_start > 100
+
+
+def test_cli_thinking_tools_and_formats(tiny, tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text('[{"type": "function", "function": {"name": "get_time", "parameters": {}}}]')
+    r = run("--ckpt", tiny, "--prompt", "hi", "--thinking", "--tools", tools, "--max-new-tokens", 4, "--temperature", 0)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("[reasoning] ")                     # the prompt ends with <think>
+    assert "chat_format=v32exp thinking=True tools=1" in r.stderr
+    r = run("--ckpt", tiny, "--prompt", "hi", "--chat-format", "dsml32", "--max-new-tokens", 4, "--temperature", 0)
+    assert r.returncode == 0 and "chat_format=dsml32" in r.stderr
+    tools.write_text("{not json")
+    r = run("--ckpt", tiny, "--prompt", "hi", "--tools", tools)
+    assert r.returncode != 0 and "not valid JSON" in r.stderr
+    tools.write_text('{"name": "x"}')
+    r = run("--ckpt", tiny, "--prompt", "hi", "--tools", tools)
+    assert r.returncode != 0 and "expected a JSON list" in r.stderr
