@@ -532,3 +532,15 @@ def test_spans_cover_the_text_in_chars_and_bytes():
             assert a["chars"][1] == b["chars"][0] and a["bytes"][1] == b["bytes"][0]
         for s in spans:                                             # byte slices decode to the char slices
             assert data[slice(*s["bytes"])].decode("utf-8") == text[slice(*s["chars"])]
+
+
+def test_markers_spelled_as_ordinary_pieces_are_markers(tok):
+    # spec §10.24: markers are recognised by their text, whatever ids spelled them (streaming = whole)
+    text = v31(("f", '{"a": 1}'))
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    ids = [i for p in pieces for i in tok.encode(p, add_special_tokens=False).ids]
+    assert 128806 not in ids                                        # no single marker token
+    d = chat.Detokenizer(tok)
+    chunks = [d.feed(i) for i in ids] + [d.flush()]
+    assert "".join(chunks) == text
+    assert stream(chunks, "v32exp", "")[2] == [{"name": "f", "arguments": '{"a": 1}'}]
