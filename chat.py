@@ -342,7 +342,10 @@ def default_format(ckpt_dir):
     tc = ckpt_dir / "tokenizer_config.json"
     if tc.is_file() and json.loads(tc.read_text(encoding="utf-8")).get("chat_template"):
         return "v32exp"
-    model_type = json.loads((ckpt_dir / "config.json").read_text()).get("model_type")
+    try:
+        model_type = json.loads((ckpt_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None                            # the model loader reports a broken config.json
     return {"deepseek_v32": "dsml32", "deepseek_v4": "dsml4"}.get(model_type, "v32exp")
 
 
@@ -463,14 +466,14 @@ class StreamParser:
         kept as content and noted. Decided only once the next marker or the end is seen."""
         i, mk = self._scan(markers, final)
         if mk is None and not final:
-            return None, False
+            return None
         gap = self.buf[:i]
         if gap.strip():
             self._emit_text("content", self._take(i, "content"))
             self._error("unexpected_text", gap)
         else:
             self._take(i, "filler")
-        return mk, True
+        return mk
 
     # --- calls ----------------------------------------------------------------------------------
 
@@ -559,7 +562,7 @@ class StreamParser:
                 self.state, self.name, self.name_start = "name", "", start
             return True
         if s == "calls":                 # between calls
-            mk, ready = self._between([CALL_BEGIN, CALLS_END, EOS], final)
+            mk = self._between([CALL_BEGIN, CALLS_END, EOS], final)
             if mk is None:
                 return False
             start = self.chars
@@ -616,7 +619,7 @@ class StreamParser:
                 self.state = "block"
             return True
         if s == "block":                 # between invokes
-            mk, ready = self._between([invoke, close_block, EOS], final)
+            mk = self._between([invoke, close_block, EOS], final)
             if mk is None:
                 return False
             start = self.chars
@@ -648,7 +651,7 @@ class StreamParser:
                 self.state = "invoke_body"
             return True
         if s == "invoke_body":           # parameters, then </｜DSML｜invoke>
-            mk, ready = self._between_in_call([param, invoke_end, close_block, invoke, EOS], final)
+            mk = self._between_in_call([param, invoke_end, close_block, invoke, EOS], final)
             if mk is None:
                 return False
             if mk == param:
@@ -706,12 +709,12 @@ class StreamParser:
     def _between_in_call(self, markers, final):  # inside an invoke: anything but whitespace spoils the call
         i, mk = self._scan(markers, final)
         if mk is None and not final:
-            return None, False
+            return None
         gap = self.buf[:i]
         if gap.strip():
             self.call["bad"] = self.call["bad"] or "malformed_invoke"
         self._take(i, "error" if gap.strip() else "filler")
-        return mk, True
+        return mk
 
     def _end_of_stream(self):
         """What is open when the text ends: a call -> unterminated (its raw text kept in the error).
