@@ -168,7 +168,9 @@ def encode(messages, fmt="v32exp", thinking=None, tools=None, add_generation_pro
            drop_thinking=True, reasoning_effort=None):
     """OpenAI-style messages -> prompt text in the chosen format. tools (an OpenAI tool list) go into the
     system prompt. In the DSML formats a user turn always ends with the assistant prefix and
-    add_generation_prompt has no effect (the reference encoders have no such flag)."""
+    add_generation_prompt has no effect (the reference encoders have no such flag). drop_thinking and
+    reasoning_effort ("max") act in dsml4 only: in dsml32 the official rules never show reasoning
+    before the last user turn, so dropping it changes nothing."""
     if fmt not in FORMATS:
         raise ValueError(f"chat format {fmt!r} is not one of {', '.join(FORMATS)}")
     thinking = resolve_thinking(thinking, enable_thinking)

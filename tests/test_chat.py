@@ -223,6 +223,9 @@ def test_dsml4_rules():
              {"role": "user", "content": "b"}]
     assert chat.encode(plain, fmt="dsml4", thinking=True) == \
         BOS + "<｜User｜>a<｜Assistant｜></think>A" + EOS + "<｜User｜>b<｜Assistant｜><think>"
+    assert chat.encode(plain, fmt="dsml4", thinking=True, drop_thinking=False) == \
+        BOS + "<｜User｜>a<｜Assistant｜><think>r</think>A" + EOS + "<｜User｜>b<｜Assistant｜><think>"
+    assert chat.encode(plain, fmt="dsml4", thinking=True, reasoning_effort="max").startswith(BOS + chat.DSML4_EFFORT_MAX)
     assert chat.dsml_tools_block([WEATHER], "dsml4").startswith(
         "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke tools by "
         'writing a "<｜DSML｜tool_calls>" block like the following:\n\n')
