@@ -101,6 +101,8 @@ def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, 
     for cur in range(min(lens), total):
         t0 = time.perf_counter()
         logits = model.forward(tokens[:, prev:cur], start_pos=prev)
+        if not isinstance(logits, np.ndarray):                        # torch: read the logits back
+            logits = logits.float().cpu().numpy()
         nxt = sample(logits, temperature, rng)
         nxt = np.where(is_prompt[:, cur], tokens[:, cur], nxt)         # teacher-force longer prompts
         tokens[:, cur] = nxt
@@ -120,6 +122,12 @@ def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, 
         out.append(c[:c.index(eos_id)] if eos_id in c else c)
     stats["cached"] = tokens[0, :prev].tolist() if B == 1 else None   # what the caches hold now
     return out, stats
+
+
+def show_progress(i, n, err=sys.stderr):  # loading: one line redrawn per layer
+    bar = "#" * (30 * i // n)
+    err.write(f"\rloading layers [{bar:<30}] {i}/{n}" + ("\n" if i == n else ""))
+    err.flush()
 
 
 def report(stats, err=sys.stderr):
@@ -167,7 +175,10 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt (default 200)")
     ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 is greedy (default 0.6)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampler's random numbers (default 0)")
-    ap.add_argument("--backend", default="numpy", choices=["numpy", "torch"], help="numpy: the reference path (default)")
+    ap.add_argument("--backend", default="numpy", choices=["numpy", "torch"],
+                    help="numpy: the reference path (default); torch: the fast path (CPU or GPU)")
+    ap.add_argument("--device", default=None,
+                    help="torch device: cpu, cuda, cuda:1 ... (default: cuda when there is a GPU, else cpu)")
     ap.add_argument("--numerics", default="official", choices=["official", "exact"],
                     help="official: the official model's bf16/FP8 rounding (default); exact: float32 throughout")
     ap.add_argument("--attention", default="sparse", choices=["sparse", "dense"],
@@ -183,6 +194,11 @@ def main(argv=None):
         ap.error("--max-seq-len must be positive")
     if not Path(a.ckpt).is_dir():
         ap.error(f"--ckpt {a.ckpt}: no such folder")
+    if a.backend == "torch" and a.device is None:
+        import torch
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.backend == "numpy" and a.device not in (None, "cpu"):
+        ap.error("--device needs --backend torch (the NumPy reference runs on the CPU)")
     a.tool_list = load_tools(a.tools)
     a.chat_format = a.chat_format or chat.default_format(a.ckpt)
 
@@ -191,13 +207,14 @@ def main(argv=None):
     t0 = time.perf_counter()
     try:
         model = Transformer.from_pretrained(a.ckpt, backend=a.backend, numerics=a.numerics, attention=a.attention,
-                                            indexer=a.indexer, max_seq_len=a.max_seq_len)
+                                            indexer=a.indexer, max_seq_len=a.max_seq_len, device=a.device,
+                                            progress=show_progress)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
     args = model.args
     print(f"loaded {args.num_hidden_layers} layers in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print(f"ckpt={a.ckpt} backend={a.backend} numerics={model.numerics} attention={model.attention} "
-          f"indexer={model.indexer} max_seq_len={args.max_seq_len} yarn={'on' if args.yarn_active else 'off'} "
+          f"indexer={model.indexer} device={a.device or 'cpu'} max_seq_len={args.max_seq_len} yarn={'on' if args.yarn_active else 'off'} "
           f"index_topk={args.index_topk} chat_format={'raw' if a.raw else a.chat_format} thinking={a.thinking} "
           f"tools={len(a.tool_list or [])} temperature={a.temperature} seed={a.seed} max_new_tokens={a.max_new_tokens}",
           file=sys.stderr)

@@ -245,14 +245,35 @@ NUMPY_OPS = SimpleNamespace(
     latent_fp8_roundtrip=attention.latent_fp8_roundtrip_ref, causal_mask=attention.causal_mask_ref,
     mha=attention.mha_ref, mqa_absorbed=attention.mqa_absorbed_ref,
     # feed-forward
-    mlp=moe.mlp_ref, moe=moe.moe_ref,
+    mlp=moe.mlp_ref, moe=moe.moe_ref, gate=moe.gate_ref,
     # glue
     cat=lambda xs, axis: np.concatenate(xs, axis), zeros=_zeros,
     tokens=lambda t: np.asarray(t), angles=lambda cos, sin: (cos, sin),
     embed=lambda table, tokens: np.asarray(table[tokens], np.float32),
     head=lambda h, w: h @ w.T, head_weight=lambda w: np.asarray(w, np.float32),
+    param=lambda a: a, weight=lambda W: W, name="numpy",   # weights stay memory-mapped NumPy arrays
 )
-OPS = {"numpy": NUMPY_OPS}
+
+
+def make_ops(backend, device=None):  # the op table of a backend ("numpy", or "torch" on a device)
+    if backend == "numpy":
+        if device not in (None, "cpu"):
+            raise ValueError(f"device {device!r} needs backend='torch'; the NumPy reference runs on the CPU")
+        return NUMPY_OPS
+    if backend == "torch":
+        import backend_torch
+        return backend_torch.torch_ops(device or "cpu")
+    raise ValueError(f"backend must be 'numpy' or 'torch', got {backend!r}")
+
+
+def to_backend(w, ops):  # a nested weight dict -> the same with every array handed to ops.param
+    if isinstance(w, quant.Weight):
+        return ops.weight(w)
+    if isinstance(w, dict):
+        return {k: to_backend(v, ops) for k, v in w.items()}
+    if isinstance(w, list):
+        return [to_backend(v, ops) for v in w]
+    return ops.param(w)
 
 
 # -----------------------------------------------------------------------------
@@ -287,10 +308,7 @@ class Transformer:
     """embed -> Block x L -> norm -> head, with caches owned here and passed down explicitly."""
 
     def __init__(self, args, weights, ck_path=None, numerics="official", attention_mode="sparse",
-                 indexer_mode=None, backend="numpy"):
-        if backend not in OPS:
-            raise ValueError(f"backend {backend!r} is not available yet: this build has the NumPy reference "
-                             "path only (the torch fast path is a separate issue)")
+                 indexer_mode=None, ops=NUMPY_OPS):
         if numerics not in ("official", "exact"):
             raise ValueError(f"numerics must be 'official' or 'exact', got {numerics!r}")
         if attention_mode not in ("sparse", "dense"):
@@ -300,7 +318,7 @@ class Transformer:
             raise ValueError(f"indexer must be 'fp8' or 'exact', got {indexer_mode!r}")
         self.args, self.w, self.path = args, weights, ck_path
         self.opts = SimpleNamespace(official=numerics == "official", sparse=attention_mode == "sparse",
-                                    indexer_fp8=indexer_mode == "fp8", ops=OPS[backend])
+                                    indexer_fp8=indexer_mode == "fp8", ops=ops)
         self.numerics, self.attention, self.indexer = numerics, attention_mode, indexer_mode
         self.freqs = rope.yarn_freqs(args.qk_rope_head_dim, args.rope_theta, args.max_seq_len, args.original_seq_len,
                                      args.rope_factor, args.rope_scaling.get("beta_fast", 32),
@@ -309,8 +327,11 @@ class Transformer:
 
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics="official", attention="sparse", indexer=None,
-                        max_seq_len=None):
-        """Open a checkpoint folder in the real layout; weights stay memory-mapped until used."""
+                        max_seq_len=None, device=None, progress=None):
+        """Open a checkpoint folder in the real layout. NumPy: weights stay memory-mapped until used.
+        torch: each layer's tensors go to the device as they are read (FP8 stays FP8);
+        progress(i, n) is called after each layer."""
+        ops = make_ops(backend, device)
         ck = checkpoint.Checkpoint(path)
         args = ModelArgs.from_config(ck.config, where=str(Path(path) / "config.json"),
                                      **({"max_seq_len": max_seq_len} if max_seq_len else {}))
@@ -318,10 +339,17 @@ class Transformer:
                    "head": ck.get("lm_head.weight"),
                    "layers": [load_layer(ck, i, args) for i in range(args.num_hidden_layers)]}  # MTP layer skipped
         check_shapes(weights, args, path)
-        return cls(args, weights, path, numerics, attention, indexer, backend)
+        layers = weights.pop("layers")
+        weights = to_backend(weights, ops)
+        weights["layers"] = []
+        for i, layer in enumerate(layers):
+            weights["layers"].append(to_backend(layer, ops))
+            if progress:
+                progress(i + 1, len(layers))
+        return cls(args, weights, path, numerics, attention, indexer, ops)
 
     def _check_tokens(self, tokens, start_pos):
-        tokens = np.asarray(tokens)
+        tokens = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)   # a torch tensor too
         if tokens.ndim != 2 or tokens.shape[1] == 0:
             raise ValueError(f"tokens must be a [batch, seq] integer array with seq >= 1, got shape {tokens.shape}")
         if not np.issubdtype(tokens.dtype, np.integer):

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -11,9 +12,29 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FIXTURE_CKPT = FIXTURES / "official_v32_tiny"
 FIXTURE_TRACE = FIXTURES / "official_v32_tiny_trace.npz"
 
+try:
+    import torch
+    HAS_CUDA = torch.cuda.is_available()
+except ImportError:                                     # the NumPy reference needs no torch
+    torch, HAS_CUDA = None, False
+if torch is not None and not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")       # Triton kernels run on the CPU, in the interpreter
+
+
+def backends():  # (backend, device) pairs every op table test runs on: the GPU too where there is one
+    out = [("numpy", None)]
+    if torch is not None:
+        out.append(("torch", "cpu"))
+    if HAS_CUDA:
+        out.append(("torch", "cuda"))
+    return out
+
+
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA or ROCm GPU")
+
 # Few examples per property so the whole suite stays within minutes on 2 cores; shapes and values
 # are drawn, not just seeds.
-settings.register_profile("ci", max_examples=25, deadline=None,
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("ci")
 

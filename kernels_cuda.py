@@ -1,0 +1,146 @@
+"""Triton kernels for NVIDIA GPUs (and, with kernels_rocm.py's data, AMD): the hot ops of the fast path.
+
+    act_quant   1x128 groups, ue8m0 scales, e4m3 codes            reference: quant.act_quant
+    fp8_gemm    y = (a * sa) (b * sb)^T, 1x128 activation groups, 128x128 weight blocks, fp32
+                promotion of each 128-wide K block's partial sum   reference: quant.fp8_gemm
+
+The kernel sources are shared with kernels_rocm.py: what differs by architecture (the FP8 flavour
+and its maximum, whether FP8 is decoded by hand, tile sizes) arrives as constexpr arguments and
+wrapper data. Every kernel runs on the CPU under TRITON_INTERPRET=1 (tests/test_kernels.py), where
+the interpreter's fp32->fp8 and fp32->bf16 casts are defective (spec/kernels.md §4.3): the tests there
+allow exactly those defects and check bit-exactness on a GPU.
+"""
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+# -----------------------------------------------------------------------------
+# FP8 e4m3 bytes -> fp32 by integer arithmetic, for GPUs without FP8 (gfx90a). The GEMM then feeds
+# fp16 to the matrix cores: every e4m3 / e4m3fnuz value is exact in fp16 (as in bf16), fp16 matrix
+# math runs at the bf16 rate on gfx90a, and the CPU interpreter multiplies fp16 correctly (not bf16).
+
+@triton.jit
+def _e4m3_decode(bits, FNUZ: tl.constexpr):
+    """uint8 e4m3 code -> fp32 value. e4m3fn: bias 7, 0x7F/0xFF NaN; e4m3fnuz: bias 8, 0x80 NaN."""
+    b = bits.to(tl.int32)
+    sign = tl.where((b & 0x80) != 0, -1.0, 1.0)
+    e = (b >> 3) & 0xF
+    m = (b & 0x7).to(tl.float32)
+    bias = 8 if FNUZ else 7
+    normal = (1.0 + m * 0.125) * tl.exp2((e - bias).to(tl.float32))
+    sub = m * 0.125 * tl.exp2((1 - bias) * 1.0)                       # e == 0: subnormal
+    v = sign * tl.where(e == 0, sub, normal)
+    if FNUZ:
+        v = tl.where(b == 0x80, float("nan"), v)
+    else:
+        v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+    return v
+
+
+# -----------------------------------------------------------------------------
+# act_quant: one program per BLOCK_M rows x one 128-wide group
+
+@triton.jit
+def _act_quant_kernel(X, Q, S, M, N, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Reference: quant.act_quant (scale_fmt "ue8m0")."""
+    pid_m, g = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    ok = rows[:, None] < M
+    x = tl.load(X + rows[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)   # fp32 at once
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)                # all-zero group -> 1e-4
+    v = amax * (1.0 / FP8_MAX)                                        # one fp32 multiply, as the official kernel
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)   # ceil(log2 v) from the bits
+    s = ((e + 127) << 23).to(tl.float32, bitcast=True)                # 2^e: the ue8m0 scale
+    y = tl.minimum(tl.maximum(x / s[:, None], -FP8_MAX), FP8_MAX)      # exact divide by a power of two
+    tl.store(Q + rows[:, None] * N + cols[None, :], y.to(Q.dtype.element_ty), mask=ok)
+    tl.store(S + rows * (N // GROUP) + g, s, mask=rows < M)
+
+
+def act_quant(x, fp8=FP8, fp8_max=FP8_MAX, block_m=None):
+    """x [..., N] (bf16, or float32 holding any values) -> (q [..., N] fp8, s [..., N/128] float32)."""
+    assert x.shape[-1] % 128 == 0, f"act_quant: last dim {x.shape[-1]} is not a multiple of 128"
+    assert x.dtype in (torch.bfloat16, torch.float32, torch.float16), f"act_quant: dtype {x.dtype}"
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    M, N = x2.shape
+    q = torch.empty(M, N, dtype=fp8, device=x.device)
+    s = torch.empty(M, N // 128, dtype=torch.float32, device=x.device)
+    bm = block_m or (16 if M >= 16 else 1 << max(M - 1, 0).bit_length())
+    if M:
+        _act_quant_kernel[(triton.cdiv(M, bm), N // 128)](x2, q, s, M, N, BLOCK_M=bm, GROUP=128, FP8_MAX=fp8_max)
+    return q.reshape(x.shape), s.reshape(*x.shape[:-1], N // 128)
+
+
+# -----------------------------------------------------------------------------
+# Block-scaled FP8 GEMM: C[M, N] = sum over K blocks of (A_kb B_kb^T) * sa[m, kb] * sb[n // 128, kb]
+
+@triton.jit
+def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     DECODE: tl.constexpr, FNUZ: tl.constexpr):
+    """Reference: quant.fp8_gemm. A [M, K] fp8 (row-major), B [N, K] fp8 (K contiguous, as stored),
+    SA [M, NUM_KB], SB [ceil(N/128), NUM_KB] float32, C [M, N]."""
+    pid = tl.program_id(0)
+    n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * n_n)                                     # grouped order: reuse B tiles in L2
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(NUM_KB):
+        k = kb * BLOCK_K + rk
+        a_ok = (rm[:, None] < M) & (k[None, :] < K)
+        b_ok = (rn[None, :] < N) & (k[:, None] < K)
+        if DECODE:                       # no FP8 hardware: decode bytes to fp16 (exact for every e4m3 value)
+            a = _e4m3_decode(tl.load(A + rm[:, None] * K + k[None, :], mask=a_ok, other=0), FNUZ).to(tl.float16)
+            b = _e4m3_decode(tl.load(B + rn[None, :] * K + k[:, None], mask=b_ok, other=0), FNUZ).to(tl.float16)
+        else:
+            a = tl.load(A + rm[:, None] * K + k[None, :], mask=a_ok, other=0.0)
+            b = tl.load(B + rn[None, :] * K + k[:, None], mask=b_ok, other=0.0)      # [BLOCK_K, BLOCK_N]
+        partial = tl.dot(a, b, out_dtype=tl.float32)                   # one K block, fresh fp32 accumulator
+        sa = tl.load(SA + rm * NUM_KB + kb, mask=rm < M, other=0.0)
+        sb = tl.load(SB + (rn // 128) * NUM_KB + kb, mask=rn < N, other=0.0)
+        acc += partial * (sa[:, None] * sb[None, :])                   # "2xAcc" promotion in fp32
+    tl.store(C + rm[:, None] * N + rn[None, :], acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+# Tile configurations by M (data): small M is weight-bandwidth bound, large M compute bound
+GEMM_CONFIGS = [  # (max M, BLOCK_M, BLOCK_N, num_warps, num_stages)
+    (16, 16, 64, 4, 4),
+    (64, 32, 128, 4, 4),
+    (256, 64, 128, 4, 3),
+    (1 << 62, 128, 128, 8, 3),
+]
+
+
+def gemm_config(M, configs=GEMM_CONFIGS):
+    for max_m, bm, bn, warps, stages in configs:
+        if M <= max_m:
+            return bm, bn, warps, stages
+
+
+def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decode=False, fnuz=False):
+    """a [M, K] fp8, sa [M, K/128] f32, b [N, K] fp8, sb [ceil(N/128), ceil(K/128)] f32 -> [M, N] out_dtype."""
+    M, K = a.shape
+    N = b.shape[0]
+    assert b.shape[1] == K and K % 128 == 0, f"fp8_gemm: shapes {tuple(a.shape)} x {tuple(b.shape)}"
+    assert sa.shape == (M, K // 128) and sb.shape == (-(-N // 128), K // 128), "fp8_gemm: scale shapes"
+    assert a.is_contiguous() and b.is_contiguous() and sa.is_contiguous() and sb.is_contiguous()
+    assert sa.dtype == torch.float32 and sb.dtype == torch.float32
+    c = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    bm, bn, warps, stages = gemm_config(M, configs)
+    if decode:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _fp8_gemm_kernel[grid](a, b, c, sa, sb, M, N, K, K // 128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8,
+                           DECODE=decode, FNUZ=fnuz, num_warps=warps, num_stages=stages)
+    return c

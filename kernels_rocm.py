@@ -1,0 +1,58 @@
+"""The fast path's kernels for AMD GPUs (ROCm): the same names as kernels_cuda.py, the same Triton
+sources, with what differs by architecture kept as data below.
+
+    gfx942 (MI300/MI325)  e4m3fnuz, maximum 240: checkpoint e4m3fn bytes are reinterpreted as e4m3fnuz
+                          with the scale doubled (0x80, -0 in e4m3fn, is NaN in e4m3fnuz: mapped to 0)
+    gfx950 (MI350/MI355)  e4m3fn (OCP), maximum 448, as on NVIDIA
+    gfx90a (MI200/MI250)  no FP8 hardware: the GEMM decodes FP8 bytes to fp16 inside the kernel;
+                          act_quant runs in torch (no FP8 store in Triton there)
+
+No AMD GPU was available to this project: these paths are checked in the Triton CPU interpreter
+(tests/test_kernels.py) and by reading, not on hardware.
+"""
+import torch
+
+import kernels_cuda as _k
+
+ARCHS = {  # gfx name -> FP8 storage dtype, its maximum, decode in-kernel (no FP8 hardware)
+    "gfx942": dict(fp8=torch.float8_e4m3fnuz, fp8_max=240.0, decode=False, fnuz=True),
+    "gfx950": dict(fp8=torch.float8_e4m3fn, fp8_max=448.0, decode=False, fnuz=False),
+    "gfx90a": dict(fp8=torch.float8_e4m3fn, fp8_max=448.0, decode=True, fnuz=False),
+}
+
+ROCM_GEMM_CONFIGS = [  # (max M, BLOCK_M, BLOCK_N, num_warps, num_stages); wave64: fewer, wider warps
+    (16, 16, 64, 4, 2),
+    (64, 32, 128, 4, 2),
+    (256, 64, 128, 4, 2),
+    (1 << 62, 128, 128, 8, 2),
+]
+
+
+def current_arch():
+    name = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    if name not in ARCHS:
+        raise RuntimeError(f"no kernel data for AMD architecture {name}; known: {', '.join(ARCHS)}")
+    return name
+
+
+def prepare_weight(w, scale, arch=None):  # checkpoint e4m3fn codes + scales -> this arch's storage
+    a = ARCHS[arch or current_arch()]
+    if not a["fnuz"]:
+        return w, scale
+    bits = w.view(torch.uint8).clone()
+    bits[bits == 0x80] = 0                                           # -0 in e4m3fn, NaN in e4m3fnuz
+    return bits.view(torch.float8_e4m3fnuz), scale * 2               # same bytes are worth half
+
+
+def act_quant(x, arch=None):
+    a = ARCHS[arch or current_arch()]
+    if a["decode"]:
+        import backend_torch
+        return backend_torch.act_quant_torch(x)
+    return _k.act_quant(x, fp8=a["fp8"], fp8_max=a["fp8_max"])
+
+
+def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, arch=None):
+    cfg = ARCHS[arch or current_arch()]
+    return _k.fp8_gemm(a, sa, b, sb, out_dtype=out_dtype, configs=ROCM_GEMM_CONFIGS, decode=cfg["decode"],
+                       fnuz=cfg["fnuz"])

@@ -1,0 +1,66 @@
+"""backend="torch" against the NumPy reference: the same model through the other op table, on the
+CPU here and on a GPU where there is one (official numerics are held to the official trace op by op
+in test_official_trace.py, for every backend)."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import checkpoint
+from conftest import HAS_CUDA
+from helpers import rel_err
+from model import Transformer
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    cfg = checkpoint.tiny_config(index_topk=8)
+    path = tmp_path_factory.mktemp("torch") / "ckpt"
+    return checkpoint.write_checkpoint(path, cfg, checkpoint.random_weights(cfg, 11))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_exact_logits_and_greedy_tokens_equal_numpy(ckpt, device):
+    ref = Transformer.from_pretrained(ckpt, numerics="exact")
+    fast = Transformer.from_pretrained(ckpt, numerics="exact", backend="torch", device=device)
+    tokens = np.random.default_rng(0).integers(0, 2048, (2, 30))           # sparse: 30 keys > index_topk 8
+    a = ref.forward(tokens, all_positions=True)
+    b = fast.forward(torch.as_tensor(tokens), all_positions=True)
+    assert isinstance(b, torch.Tensor) and b.dtype == torch.float32
+    assert rel_err(b.cpu().numpy(), a) <= 1e-5
+    # 32 greedy steps with the caches, token for token
+    out_a, out_b = [], []
+    la, lb = ref.forward(tokens[:1, :20]), fast.forward(tokens[:1, :20])
+    for step in range(32):
+        ta, tb = int(la[0].argmax()), int(lb[0].argmax())
+        out_a.append(ta)
+        out_b.append(tb)
+        la = ref.forward([[ta]], start_pos=20 + step)
+        lb = fast.forward([[tb]], start_pos=20 + step)
+    assert out_a == out_b
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_official_chunked_prefill_and_decode_run(ckpt, device):
+    m = Transformer.from_pretrained(ckpt, backend="torch", device=device)
+    tokens = np.random.default_rng(1).integers(0, 2048, (1, 24))
+    full = m.forward(tokens, all_positions=True).cpu().numpy()
+    a = m.forward(tokens[:, :10], all_positions=True).cpu().numpy()
+    b = m.forward(tokens[:, 10:], start_pos=10, all_positions=True).cpu().numpy()
+    assert rel_err(np.concatenate([a, b], 1), full) <= 1e-6
+    assert np.isfinite(m.forward([[5]], start_pos=24).cpu().numpy()).all()
+
+
+def test_fp8_weights_stay_fp8(ckpt):
+    m = Transformer.from_pretrained(ckpt, backend="torch")
+    w = m.w["layers"][1]["ffn"]["experts"][0]["w1"]
+    assert w.w.dtype == torch.float8_e4m3fn and w.scale.dtype == torch.float32
+
+
+def test_bad_device_and_backend():
+    with pytest.raises(ValueError, match="needs backend='torch'"):
+        Transformer.from_pretrained("tests/fixtures/official_v32_tiny", device="cuda")
+    with pytest.raises(ValueError, match="backend must be"):
+        Transformer.from_pretrained("tests/fixtures/official_v32_tiny", backend="jax")
