@@ -1,0 +1,122 @@
+"""Block-FP8 GEMM and act_quant (kernels_cuda.py) on DeepSeek-V3.2-Exp's real shapes, on one GPU.
+
+For each weight shape [N, K] and M in (1, 16, 128, 2048, 8192): kernel time (median of CUDA-event
+timed runs after warm-up, L2 flushed between runs), TFLOP/s and TB/s, the ratio to the roofline
+measured in the same run (FP8 matmul peak via torch._scaled_mm, device copy bandwidth), and the ratio
+to torch.matmul in bf16 on the same shape (the named baseline). act_quant is reported in TB/s
+against the copy bandwidth.
+
+    python bench/bench_gemm.py [--out DIR]        prints a table; writes DIR/gemm.json and DIR/gemm.md
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+torch = kernels_cuda = None                      # imported in main(): --render needs neither
+
+
+def _imports():
+    global torch, kernels_cuda
+    import torch
+    import kernels_cuda
+
+SHAPES = {  # name -> (N, K) of the weight, DeepSeek-V3.2-Exp (spec/dsv32.md §2.1)
+    "q_a": (1536, 7168), "q_b": (24576, 1536), "kv_a": (576, 7168), "kv_b": (32768, 512), "o": (7168, 16384),
+    "idx_wq_b": (8192, 1536), "idx_wk": (128, 7168), "mlp_w1": (18432, 7168), "mlp_w2": (7168, 18432),
+    "expert_w1": (2048, 7168), "expert_w2": (7168, 2048),
+}
+MS = (1, 16, 128, 2048, 8192)
+FLUSH = None
+
+
+def timed(fn, reps=20):
+    """Median milliseconds over reps CUDA-event-timed calls, L2 flushed (256 MB write) before each."""
+    global FLUSH
+    if FLUSH is None:
+        FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        FLUSH.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def rooflines():
+    n = 8192
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    bf16 = 2 * n ** 3 / timed(lambda: x @ x, 10) / 1e9
+    x8 = x.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    fp8 = 2 * n ** 3 / timed(lambda: torch._scaled_mm(x8, x8.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 10) / 1e9
+    buf = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(buf)
+    copy = 2 * buf.numel() / timed(lambda: dst.copy_(buf), 10) / 1e6          # read + write, bytes/ms -> GB/s
+    return {"bf16_tflops": bf16, "fp8_tflops": fp8, "copy_gbs": copy}
+
+
+def render(meta, rows):  # raw timings -> the markdown table (derived figures computed here)
+    roof = meta["roofline"]
+    lines = [f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; measured roofline: "
+             f"FP8 {roof['fp8_tflops']:.0f} TFLOP/s (torch._scaled_mm 8192^3), bf16 {roof['bf16_tflops']:.0f} TFLOP/s, "
+             f"copy {roof['copy_gbs']:.0f} GB/s", "",
+             "| shape | M | N x K | FP8 GEMM us | TFLOP/s | TB/s | of roofline | bf16 matmul us | speed-up vs bf16 "
+             "| act_quant us | act_quant TB/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        M, N, K, t = r["M"], r["N"], r["K"], r["ms"]
+        flops = 2 * M * N * K
+        nbytes = M * K + N * K + 4 * (M + -(-N // 128)) * (K // 128) + 2 * M * N   # fp8 in, scales, bf16 out
+        t_roof = max(flops / (roof["fp8_tflops"] * 1e9), nbytes / (roof["copy_gbs"] * 1e6))   # ms
+        aq_bytes = 2 * M * K + M * K + 4 * M * K // 128                            # bf16 in, fp8 + scales out
+        lines.append(f"| {r['shape']} | {M} | {N}x{K} | {1e3 * t:.1f} | {flops / t / 1e9:.0f} | {nbytes / t / 1e9:.2f} | "
+                     f"{t_roof / t:.2f} | {1e3 * r['bf16_ms']:.1f} | {r['bf16_ms'] / t:.2f} | "
+                     f"{1e3 * r['act_quant_ms']:.1f} | {aq_bytes / r['act_quant_ms'] / 1e9:.2f} |")
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gemm.json and gemm.md")
+    ap.add_argument("--render", default=None, help="re-render the table of an earlier gemm.json (no GPU needed)")
+    a = ap.parse_args()
+    if a.render:
+        d = json.loads(Path(a.render).read_text())
+        print("\n".join(render(d["meta"], d["rows"])))
+        return
+    _imports()
+    torch.manual_seed(0)
+    roof = rooflines()
+    rows = []
+    for name, (N, K) in SHAPES.items():
+        w = (torch.randn(N, K, device="cuda") * 0.05).to(torch.float8_e4m3fn)
+        sw = torch.rand(-(-N // 128), K // 128, device="cuda") + 0.5
+        wb = (torch.randn(K, N, device="cuda") * 0.05).to(torch.bfloat16)
+        for M in MS:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            q, s = kernels_cuda.act_quant(x)
+            t = timed(lambda: kernels_cuda.fp8_gemm(q, s, w, sw))
+            tb = timed(lambda: x @ wb)
+            ta = timed(lambda: kernels_cuda.act_quant(x))
+            rows.append(dict(shape=name, M=M, N=N, K=K, ms=t, bf16_ms=tb, act_quant_ms=ta))
+        del w, wb
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d"), roofline=roof)
+    (Path(a.out) / "gemm.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = render(meta, rows)
+    (Path(a.out) / "gemm.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
