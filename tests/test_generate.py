@@ -155,3 +155,28 @@ def test_cli_thinking_tools_and_formats(tiny, tmp_path):
     tools.write_text('{"name": "x"}')
     r = run("--ckpt", tiny, "--prompt", "hi", "--tools", tools)
     assert r.returncode != 0 and "expected a JSON list" in r.stderr
+
+
+def test_verify_passes_on_the_tiny_checkpoint(tiny):
+    r = run("--ckpt", tiny, "--verify", "--backend", "torch", "--device", "cpu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "VERIFY PASS" in r.stdout and "greedy matches, logits hash matches" in r.stdout
+    assert r.stdout.count(" | ") >= 8                                       # a row per layer
+
+
+def test_verify_catches_the_old_indexer_rope(tiny, monkeypatch):
+    # REF-old's bug: interleaved RoPE in the indexer. The torch path with that bug must fail --verify.
+    import io
+    import backend_torch
+    import verify
+    real = backend_torch.torch_ops
+
+    def buggy(device):
+        ops = real(device)
+        ops.rope_half_split = ops.rope_interleaved
+        return ops
+
+    monkeypatch.setattr(backend_torch, "torch_ops", buggy)
+    out = io.StringIO()
+    assert not verify.verify(tiny, "torch", "cpu", "exact", out=out)
+    assert "beyond tolerance" in out.getvalue() and "VERIFY FAIL" in out.getvalue()

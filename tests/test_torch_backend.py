@@ -69,3 +69,27 @@ def test_bad_device_and_backend():
         Transformer.from_pretrained("tests/fixtures/official_v32_tiny", device="cuda")
     with pytest.raises(ValueError, match="backend must be"):
         Transformer.from_pretrained("tests/fixtures/official_v32_tiny", backend="jax")
+
+
+def permute_w2_rows(t):  # the gfx90a report's bug: 16-row blocks of each 128-row tile in the order 0,2,4,6,1,3,5,7
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    n = t.shape[0]
+    idx = torch.cat([torch.arange(tile + 16 * b, tile + 16 * b + 16) for tile in range(0, n, 128) for b in order])
+    return t[idx]
+
+
+def test_expert_probe_stops_a_permuted_w2(ckpt, monkeypatch):
+    import model
+    Transformer.from_pretrained(ckpt, backend="torch")                      # a correct load passes the probe
+    real = model.to_backend
+
+    def faulty(w, ops):                                                     # a loader that permutes one W2
+        out = real(w, ops)
+        if isinstance(out, dict) and "ffn" in out and "experts" in out["ffn"] and out["ffn"]["experts"]:
+            W = out["ffn"]["experts"][3]["w2"]
+            out["ffn"]["experts"][3]["w2"] = type(W)(permute_w2_rows(W.w), W.scale)
+        return out
+
+    monkeypatch.setattr(model, "to_backend", faulty)
+    with pytest.raises(model.LoadError, match=r"layer 1 expert 3 w2: the device weights give \d+% relative error"):
+        Transformer.from_pretrained(ckpt, backend="torch")
