@@ -83,10 +83,10 @@ def dequant(W):  # quant.Weight of tensors -> [N, K] float32
     return W.w.float() * s
 
 
-def torch_ops(device):
-    """The op table for one device (see model.NUMPY_OPS for the contracts)."""
+def torch_ops(device, kernels=True):
+    """The op table for one device (see model.NUMPY_OPS for the contracts); kernels=False: plain torch."""
     device = torch.device(device)
-    kern = kernels_for(device)
+    kern = kernels_for(device) if kernels else None
 
     def bf16_round(x):
         return x.float().to(torch.bfloat16).float()

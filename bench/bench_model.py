@@ -1,0 +1,150 @@
+"""The whole model at DeepSeek-V3.2-Exp's real dimensions (hidden 7168, 128 heads, 256 experts, index
+top-k 2048) with random FP8 weights, as many layers as fit one GPU: prefill tokens/s at 4K and 16K
+context and decode tokens/s at batch 1 and 32, for the fast path (FP8 weights, Triton kernels)
+against the named baseline measured in the same run: the same model with bf16 weights and no
+kernels (plain torch matmuls).
+
+    python bench/bench_model.py [--layers 4] [--out DIR]     prints a table; writes DIR/model.json
+
+Weights are drawn on the device (no checkpoint): FP8 codes from N(0, 1) with power-of-two block
+scales chosen so activations keep their size; the baseline's bf16 weights are the same values.
+Prefill runs in chunks (--chunk tokens, start_pos > 0), since the MHA-mode reference attention
+materialises [heads, chunk, context] scores.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import backend_torch  # noqa: E402
+import quant  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+
+REAL = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+            num_attention_heads=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8,
+            topk_group=4, routed_scaling_factor=2.5, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+            qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64, index_head_dim=128, index_topk=2048,
+            max_position_embeddings=163840, quantization_config={"quant_method": "fp8", "scale_fmt": "ue8m0"},
+            rope_scaling={"type": "yarn", "factor": 40, "mscale": 1.0, "original_max_position_embeddings": 4096,
+                          "beta_fast": 32, "beta_slow": 1})
+
+
+def random_weights(args, dev, bf16, gen):
+    def lin(n, k):
+        w = torch.randn(n, k, device=dev, generator=gen).to(torch.float8_e4m3fn)
+        s = torch.full((-(-n // 128), -(-k // 128)), 2.0 ** -round(0.5 * __import__("math").log2(k)), device=dev)
+        if bf16:                                              # the baseline: the same values in bf16, no scales
+            return quant.Weight(backend_torch.dequant(quant.Weight(w, s)).to(torch.bfloat16), None)
+        return quant.Weight(w, s)
+
+    def vec(n):
+        return torch.ones(n, device=dev)
+
+    def mlp(inter):
+        return {"w1": lin(inter, D), "w3": lin(inter, D), "w2": lin(D, inter)}
+
+    a = args
+    D, H = a.hidden_size, a.num_attention_heads
+    layers = []
+    for i in range(a.num_hidden_layers):
+        attn = {"wq_a": lin(a.q_lora_rank, D), "wq_b": lin(H * 192, a.q_lora_rank), "wkv_a": lin(576, D),
+                "wkv_b": lin(H * 256, a.kv_lora_rank), "wo": lin(D, H * 128), "q_norm": vec(a.q_lora_rank),
+                "kv_norm": vec(a.kv_lora_rank),
+                "indexer": {"wq_b": lin(64 * 128, a.q_lora_rank), "wk": lin(128, D), "k_norm": vec(128),
+                            "k_norm_bias": torch.zeros(128, device=dev),
+                            "weights_proj": quant.Weight(torch.randn(64, D, device=dev, generator=gen).to(torch.bfloat16) / 85, None)}}
+        if i < a.first_k_dense_replace:
+            ffn = mlp(a.intermediate_size)
+        else:
+            ffn = {"gate": quant.Weight(torch.randn(a.n_routed_experts, D, device=dev, generator=gen).to(torch.bfloat16) / 85, None),
+                   "gate_bias": torch.zeros(a.n_routed_experts, device=dev),
+                   "experts": [mlp(a.moe_intermediate_size) for _ in range(a.n_routed_experts)],
+                   "shared_experts": mlp(a.moe_intermediate_size)}
+        layers.append({"attn_norm": vec(D), "ffn_norm": vec(D), "attn": attn, "ffn": ffn})
+    emb = torch.randn(a.vocab_size, D, device=dev, generator=gen).to(torch.bfloat16)
+    return {"embed": emb, "head": emb, "norm": vec(D), "layers": layers}
+
+
+def sync_time(fn):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def measure(m, args, chunk, gen):
+    out = {}
+    V = args.vocab_size
+    for ctx in (4096, 16384):                                 # prefill one sequence, in chunks
+        tok = torch.randint(0, V, (1, ctx), device="cuda", generator=gen)
+
+        def prefill():
+            for p in range(0, ctx, chunk):
+                m.forward(tok[:, p:p + chunk], start_pos=p)
+        out[f"prefill_{ctx}"] = ctx / sync_time(prefill)
+    for B, ctx in ((1, 4096), (32, 1024)):                    # decode after a prefill of ctx tokens
+        tok = torch.randint(0, V, (B, ctx), device="cuda", generator=gen)
+        for p in range(0, ctx, chunk // B if B > 1 else chunk):
+            m.forward(tok[:, p:p + max(chunk // B, 1)], start_pos=p)
+        steps = 16
+        nxt = tok[:, -1:]
+
+        def decode():
+            nonlocal nxt
+            for s in range(steps):
+                nxt = m.forward(nxt, start_pos=ctx + s).argmax(-1, keepdim=True)
+        out[f"decode_b{B}"] = B * steps / sync_time(decode)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4, help="layers of the real model to build (default 4)")
+    ap.add_argument("--dense-layers", type=int, default=1, help="how many of them are dense-FFN layers (default 1)")
+    ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk in tokens (default 1024)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for model.json")
+    a = ap.parse_args()
+    args = ModelArgs.from_config(dict(REAL, num_hidden_layers=a.layers, first_k_dense_replace=a.dense_layers),
+                                 max_seq_len=32768)
+    results = {}
+    for name, bf16 in (("fp8+kernels", False), ("bf16, no kernels", True)):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w = random_weights(args, "cuda", bf16, gen)
+        ops = no_kernel_ops() if bf16 else backend_torch.torch_ops("cuda")
+        m = Transformer(args, w, numerics="official", ops=ops)
+        print(f"{name}: {torch.cuda.memory_allocated() / 2**30:.0f} GiB of weights", flush=True)
+        results[name] = measure(m, args, a.chunk, torch.Generator(device="cuda").manual_seed(1))
+        print(name, json.dumps(results[name]), flush=True)
+        del m, w
+        torch.cuda.empty_cache()
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
+                date=time.strftime("%Y-%m-%d"), layers=a.layers, dense_layers=a.dense_layers, chunk=a.chunk)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "model.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    f, b = results["fp8+kernels"], results["bf16, no kernels"]
+    print(f"\n{meta['gpu']}, {meta['date']}, {a.layers} layers ({a.dense_layers} dense) of DeepSeek-V3.2-Exp, official numerics")
+    print("| measure | fp8 + kernels tok/s | bf16, no kernels tok/s | ratio |\n|---|---|---|---|")
+    for k in f:
+        print(f"| {k} | {f[k]:.1f} | {b[k]:.1f} | {f[k] / b[k]:.2f} |")
+
+
+def no_kernel_ops():  # the baseline's op table: plain torch on the GPU, bf16 weights, no Triton
+    ops = backend_torch.torch_ops("cuda", kernels=False)
+    real_linear = ops.linear
+
+    def linear(x, W, official):                                # bf16 weights: a bf16 matmul, bf16 out
+        if W.scale is None and W.w.dtype == torch.bfloat16:
+            return (x.to(torch.bfloat16) @ W.w.T).float()
+        return real_linear(x, W, official)
+    ops.linear = linear
+    return ops
+
+
+if __name__ == "__main__":
+    main()
