@@ -91,6 +91,7 @@ def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, 
     if total > model.args.max_seq_len:
         raise ValueError(f"prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
                          f"max_seq_len {model.args.max_seq_len}; shorten the prompt or raise --max-seq-len")
+    model.reserve(B, total)                                          # caches allocated once, up front
     tokens = np.full((B, total), -1, np.int64)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
@@ -101,9 +102,12 @@ def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, 
     for cur in range(min(lens), total):
         t0 = time.perf_counter()
         logits = model.forward(tokens[:, prev:cur], start_pos=prev)
-        if not isinstance(logits, np.ndarray):                        # torch: read the logits back
-            logits = logits.float().cpu().numpy()
-        nxt = sample(logits, temperature, rng)
+        if not isinstance(logits, np.ndarray) and temperature <= 0:   # torch, greedy: only the token comes back
+            nxt = logits.argmax(-1).cpu().numpy()
+        else:
+            if not isinstance(logits, np.ndarray):
+                logits = logits.float().cpu().numpy()
+            nxt = sample(logits, temperature, rng)
         nxt = np.where(is_prompt[:, cur], tokens[:, cur], nxt)         # teacher-force longer prompts
         tokens[:, cur] = nxt
         kind = "prefill" if prev == reuse else "decode"

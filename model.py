@@ -376,6 +376,15 @@ class Transformer:
             probe_experts(weights, layers, ops)
         return cls(args, weights, path, numerics, attention, indexer, ops)
 
+    def reserve(self, batch, total_len):
+        """Allocate the caches for `batch` sequences of up to total_len tokens now (on the device),
+        so that generation does not grow them step by step."""
+        if not (self.caches and self.caches[0].B == batch):
+            self.caches = [LayerCache(batch, self.args, self.opts.indexer_fp8, self.opts.ops)
+                           for _ in range(self.args.num_hidden_layers)]
+        for c in self.caches:
+            c.reserve(min(total_len, self.args.max_seq_len))
+
     def _check_tokens(self, tokens, start_pos):
         tokens = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)   # a torch tensor too
         if tokens.ndim != 2 or tokens.shape[1] == 0:
@@ -401,7 +410,7 @@ class Transformer:
         tokens = self._check_tokens(tokens, start_pos)
         B, T = tokens.shape
         a, o, ops = self.args, self.opts, self.opts.ops
-        if start_pos == 0:
+        if start_pos == 0 and not (self.caches and self.caches[0].B == B):
             self.caches = [LayerCache(B, a, o.indexer_fp8, ops) for _ in range(a.num_hidden_layers)]
         end = start_pos + T
         for c in self.caches:

@@ -103,6 +103,9 @@ class ScriptedModel:
         self.script, self.vocab, self.calls = list(script), vocab, []
         self.args = SimpleNamespace(max_seq_len=4096)
 
+    def reserve(self, batch, total_len):
+        pass
+
     def forward(self, tokens, start_pos=0):
         tokens = np.asarray(tokens)
         self.calls.append((start_pos, tokens.shape[1]))
