@@ -100,6 +100,8 @@ def torch_ops(device, kernels=True):
         return act_quant_torch(x, block_size, scale_fmt)
 
     def linear(x, W, official):
+        if official and W.scale is None and W.w.dtype == torch.bfloat16:   # bf16 weights: a bf16 GEMM, bf16 out
+            return (x.to(torch.bfloat16) @ W.w.T).float()
         if not official or W.scale is None:
             y = x.float() @ dequant(W).T
             return bf16_round(y) if official else y
@@ -225,14 +227,98 @@ def torch_ops(device, kernels=True):
             w = w / w.sum(-1, keepdim=True)
         return w * np.float32(args.routed_scaling_factor), idx
 
+    def experts(mlps):  # the routed experts' MLPs -> all stacked: w13 [E, 2I, d] (gate rows, then up), w2 [E, d, I]
+        I = mlps[0]["w1"].w.shape[0]
+        assert I % 128 == 0, f"moe_intermediate_size {I} is not a multiple of 128 (one scale block per row block)"
+        stack = {}
+        for name, parts in (("w13", ("w1", "w3")), ("w2", ("w2",))):
+            ws = [torch.cat([weight(m[k]).w for k in parts]) for m in mlps]
+            ss = [torch.cat([weight(m[k]).scale for k in parts]) for m in mlps]
+            stack[name] = quant.Weight(torch.stack(ws), torch.stack(ss))
+        return stack
+
+    def route(idx, E, bm):
+        """[M, Kt] expert ids -> the grouped GEMM's rows, on the device, no host synchronisation:
+        token-expert pairs sorted by expert and padded to bm-row blocks of one expert each.
+        -> rows_tok [P] (token of each row, -1 padding), pair_at [P] (pair of each row; padding ->
+        the trash index M*Kt), block_expert [P / bm] (-1: unused block)."""
+        M, Kt = idx.shape
+        pairs = M * Kt
+        P = -(-(pairs + min(pairs, E) * (bm - 1)) // bm) * bm          # enough for any routing
+        flat = idx.reshape(-1)
+        sorted_e, order = torch.sort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=E)
+        padded = (counts + bm - 1) // bm * bm
+        start_pad, start = torch.cumsum(padded, 0) - padded, torch.cumsum(counts, 0) - counts
+        dest = start_pad[sorted_e] + torch.arange(pairs, device=device) - start[sorted_e]
+        rows_tok = torch.full((P,), -1, dtype=torch.int32, device=device)
+        rows_tok[dest] = (order // Kt).to(torch.int32)
+        pair_at = torch.full((P,), pairs, dtype=torch.int64, device=device)
+        pair_at[dest] = order
+        block_expert = torch.full((P // bm,), -1, dtype=torch.int32, device=device)
+        block_expert[dest // bm] = sorted_e.to(torch.int32)
+        return rows_tok, pair_at, block_expert
+
+    def grouped(q, s, W, rows, block_expert):  # -> [P, N] bf16 values (float32); padding rows garbage
+        if kern is not None:
+            return kern.moe_gemm(q, s, W.w, W.scale, rows, block_expert).float()
+        P, bm = rows.shape[0], rows.shape[0] // block_expert.shape[0]
+        out = torch.zeros(P, W.w.shape[1], device=device)
+        be = block_expert.repeat_interleave(bm)
+        for e in torch.unique(be[rows >= 0]).tolist():                   # CPU: one GEMM per expert present
+            sel = torch.nonzero((rows >= 0) & (be == e)).squeeze(1)
+            r = rows[sel].long()
+            out[sel] = bf16_round(fp8_gemm_torch(q[r], s[r], W.w[e], W.scale[e]))
+        return out
+
     def moe(x, p, args, official):
+        """Routed experts through the grouped GEMM over all experts' stacked weights; the per-token sum
+        over its experts in expert-id order in fp32, the shared experts last (as the reference)."""
         w, idx = gate(x, p["gate"].w, p.get("gate_bias"), args)
-        y = torch.zeros(x.shape, dtype=torch.float32, device=device)
-        for e in torch.unique(idx).tolist():                                   # expert-id order, fp32 sum
-            tok, slot = torch.nonzero(idx == e, as_tuple=True)
-            y[tok] += mlp(x[tok], p["experts"][e], official) * w[tok, slot, None]
+        M, Kt = idx.shape
+        D = x.shape[1]
+        if not official or p["w13"].scale is None:                       # exact numerics / bf16 weights
+            out = torch.zeros(M * Kt + 1, D, device=device)
+            for e in torch.unique(idx).tolist():
+                tok, slot = torch.nonzero(idx == e, as_tuple=True)
+                W1, W2 = p["w13"].w[e], p["w2"].w[e]
+                S1 = None if p["w13"].scale is None else p["w13"].scale[e]
+                S2 = None if p["w2"].scale is None else p["w2"].scale[e]
+                I = W1.shape[0] // 2
+                g = linear(x[tok], quant.Weight(W1, S1), official)
+                h = (bf16_round if official else no_round)(torch.nn.functional.silu(g[:, :I]) * g[:, I:])
+                out[tok * Kt + slot] = linear(h, quant.Weight(W2, S2), official)
+        else:
+            E = p["w13"].w.shape[0]
+            rows_tok, pair_at, block_expert = route(idx, E, 16)
+            q, s = act_quant(x)
+            g = grouped(q, s, p["w13"], rows_tok, block_expert)             # [P, 2I]: gate | up
+            I = g.shape[1] // 2
+            h = bf16_round(torch.nn.functional.silu(g[:, :I]) * g[:, I:])
+            q2, s2 = act_quant(h)
+            rows_self = torch.where(rows_tok >= 0, torch.arange(rows_tok.shape[0], device=device, dtype=torch.int32), -1)
+            o = grouped(q2, s2, p["w2"], rows_self, block_expert)           # [P, d]
+            out = torch.zeros(M * Kt + 1, D, device=device).index_copy_(0, pair_at, o)   # padding -> the trash row
+        out = out[:M * Kt].view(M, Kt, D)
+        perm = torch.argsort(idx, dim=1, stable=True)                    # each token's experts by id
+        ws, outs = w.gather(1, perm), out.gather(1, perm[..., None].expand(M, Kt, D))
+        y = torch.zeros(M, D, device=device)
+        for k in range(Kt):                                              # fp32, expert-id order
+            y += outs[:, k] * ws[:, k, None]
         y += mlp(x, p["shared_experts"], official)
         return bf16_round(y) if official else y
+
+    def expert_linear(x, ffn, e, name):  # one expert's w1 / w3 / w2 product through the fast path's own layout
+        M = x.shape[0]
+        P = -(-M // 16) * 16
+        rows = torch.full((P,), -1, dtype=torch.int32, device=device)
+        rows[:M] = torch.arange(M, dtype=torch.int32, device=device)
+        be = torch.full((P // 16,), e, dtype=torch.int32, device=device)
+        q, s = act_quant(x)
+        W = ffn["w2"] if name == "w2" else ffn["w13"]
+        y = grouped(q, s, W, rows, be)[:M]
+        I = W.w.shape[1] // 2
+        return y if name == "w2" else (y[:, :I] if name == "w1" else y[:, I:])
 
     def weight(W):  # a checkpoint Weight -> device tensors, in the kernels' storage (e4m3fnuz on gfx942)
         w, s = to_torch(W.w, device), None if W.scale is None else to_torch(W.scale, device)
@@ -249,7 +335,8 @@ def torch_ops(device, kernels=True):
         rms_norm=rms_norm, layer_norm=layer_norm, rope_interleaved=rope_interleaved, rope_half_split=rope_half_split,
         rotate_activation=rotate_activation, head_weights=head_weights, index_scores=index_scores,
         topk_select=topk_select, latent_fp8_roundtrip=latent_fp8_roundtrip, causal_mask=causal_mask,
-        mha=mha, mqa_absorbed=mqa_absorbed, mlp=mlp, moe=moe, gate=gate,
+        mha=mha, mqa_absorbed=mqa_absorbed, mlp=mlp, moe=moe, gate=gate, experts=experts, expert_linear=expert_linear,
+        route=route,
         cat=lambda xs, axis: torch.cat(xs, axis), zeros=zeros,
         tokens=lambda t: torch.as_tensor(np.asarray(t), device=device),
         angles=lambda cos, sin: (torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)),

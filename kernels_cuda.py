@@ -3,6 +3,8 @@
     act_quant   1x128 groups, ue8m0 scales, e4m3 codes            reference: quant.act_quant
     fp8_gemm    y = (a * sa) (b * sb)^T, 1x128 activation groups, 128x128 weight blocks, fp32
                 promotion of each 128-wide K block's partial sum   reference: quant.fp8_gemm
+    moe_gemm    the same GEMM for the routed experts: all experts' weights stacked [E, N, K], token
+                rows gathered by index, one expert per 16-row block   reference: quant.fp8_gemm per expert
 
 The kernel sources are shared with kernels_rocm.py: what differs by architecture (the FP8 flavour
 and its maximum, whether FP8 is decoded by hand, tile sizes) arrives as constexpr arguments and
@@ -143,4 +145,64 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     _fp8_gemm_kernel[grid](a, b, c, sa, sb, M, N, K, K // 128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8,
                            DECODE=decode, FNUZ=fnuz, num_warps=warps, num_stages=stages)
+    return c
+
+
+# -----------------------------------------------------------------------------
+# Grouped block-FP8 GEMM for the routed experts: rows gathered by index, one expert per row block
+
+@triton.jit
+def _moe_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, N, K, NUM_KB,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DECODE: tl.constexpr, FNUZ: tl.constexpr):
+    """Reference: quant.fp8_gemm on each row block's expert. A [*, K] fp8 with SA [*, NUM_KB];
+    B [E, N, K] fp8 with SB [E, ceil(N/128), NUM_KB] (all experts stacked); ROWS [P] the A row of
+    each output row (-1: padding); BLOCK_EXPERT [P / BLOCK_M] the expert of each row block (-1: none).
+    C [P, N]: output row p = A[ROWS[p]] @ B[expert]^T."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(BLOCK_EXPERT + pid_m)
+    if e >= 0:                                                         # blocks past the routed rows: nothing
+        p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row = tl.load(ROWS + p)
+        valid = row >= 0
+        row = tl.where(valid, row, 0)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        b_base = B + e.to(tl.int64) * N * K
+        sb_base = SB + e.to(tl.int64) * tl.cdiv(N, 128) * NUM_KB
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(NUM_KB):
+            k = kb * BLOCK_K + rk
+            a_ok = valid[:, None] & (k[None, :] < K)
+            b_ok = (rn[None, :] < N) & (k[:, None] < K)
+            if DECODE:
+                a = _e4m3_decode(tl.load(A + row[:, None] * K + k[None, :], mask=a_ok, other=0), FNUZ).to(tl.float16)
+                b = _e4m3_decode(tl.load(b_base + rn[None, :] * K + k[:, None], mask=b_ok, other=0), FNUZ).to(tl.float16)
+            else:
+                a = tl.load(A + row[:, None] * K + k[None, :], mask=a_ok, other=0.0)   # gathered token rows
+                b = tl.load(b_base + rn[None, :] * K + k[:, None], mask=b_ok, other=0.0)
+            partial = tl.dot(a, b, out_dtype=tl.float32)
+            sa = tl.load(SA + row * NUM_KB + kb, mask=valid, other=0.0)
+            sb = tl.load(sb_base + (rn // 128) * NUM_KB + kb, mask=rn < N, other=0.0)
+            acc += partial * (sa[:, None] * sb[None, :])
+        tl.store(C + p[:, None] * N + rn[None, :], acc.to(C.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
+
+
+MOE_BLOCK_M = 16
+
+
+def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, decode=False, fnuz=False, block_n=64):
+    """a [R, K] fp8, sa [R, K/128], b [E, N, K] fp8, sb [E, ceil(N/128), K/128], rows [P] int (P a multiple of
+    MOE_BLOCK_M), block_expert [P / MOE_BLOCK_M] int -> [P, N]; padding rows are left unwritten."""
+    R, K = a.shape
+    E, N, _ = b.shape
+    P = rows.shape[0]
+    assert P % MOE_BLOCK_M == 0 and block_expert.shape[0] == P // MOE_BLOCK_M and K % 128 == 0
+    assert a.is_contiguous() and b.is_contiguous() and sa.is_contiguous() and sb.is_contiguous()
+    c = torch.empty(P, N, dtype=out_dtype, device=a.device)
+    if decode:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    grid = (P // MOE_BLOCK_M, triton.cdiv(N, block_n))
+    _moe_gemm_kernel[grid](a, sa, b, sb, c, rows, block_expert, N, K, K // 128, BLOCK_M=MOE_BLOCK_M, BLOCK_N=block_n,
+                           BLOCK_K=128, DECODE=decode, FNUZ=fnuz, num_warps=4, num_stages=3)
     return c

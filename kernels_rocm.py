@@ -56,3 +56,8 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, arch=None):
     cfg = ARCHS[arch or current_arch()]
     return _k.fp8_gemm(a, sa, b, sb, out_dtype=out_dtype, configs=ROCM_GEMM_CONFIGS, decode=cfg["decode"],
                        fnuz=cfg["fnuz"])
+
+
+def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, arch=None):
+    cfg = ARCHS[arch or current_arch()]
+    return _k.moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=out_dtype, decode=cfg["decode"], fnuz=cfg["fnuz"])

@@ -228,17 +228,19 @@ class LoadError(RuntimeError):
 def probe_experts(w, host_layers, ops, rows=2):
     """Known-answer probe at load time: a fixed input through every routed expert's W1, W2, W3 as the
     device holds them (the fast path's own act_quant + FP8 GEMM), against the product of the
-    checkpoint's own tensors dequantized in fp32 on the device. A loader/kernel layout mismatch (the
-    gfx90a report's W2 read in a permuted row order) stops the load, naming layer and expert."""
+    checkpoint's own tensors dequantized in fp32 on the device. The torch backend's layout: all
+    experts of a layer stacked, w13 [E, 2I, d] (gate rows, then up rows) and w2 [E, d, I] in FP8 with
+    [E, N/128, K/128] block scales. A loader/kernel layout mismatch (the gfx90a report's W2 read in a
+    permuted row order) stops the load, naming layer and expert."""
     inputs = {}
     for i, (lw, hw) in enumerate(zip(w["layers"], host_layers)):
-        for e, (ex, hx) in enumerate(zip(lw["ffn"].get("experts", []), hw["ffn"].get("experts", []))):
+        for e, hx in enumerate(hw["ffn"].get("experts", [])):
             for name in ("w1", "w2", "w3"):
                 K = hx[name].w.shape[1]
                 if K not in inputs:                      # a fixed input, no RNG: bf16 values of a sine
                     inputs[K] = ops.param(quant.bf16_round(np.sin(np.arange(rows * K) * 0.37).reshape(rows, K)))
                 x = inputs[K]
-                got = ops.linear(x, ex[name], True)                                  # device layout + kernel
+                got = ops.expert_linear(x, lw["ffn"], e, name)                       # device layout + kernel
                 ref = ops.act_dequant(*ops.act_quant(x)) @ ops.dequant(ops.plain_weight(hx[name])).T
                 err = float(abs(got - ref).max()) / (float(abs(ref).max()) + 1e-30)
                 if not err <= 2e-2:                                                  # bf16 output: ~2^-8
@@ -277,6 +279,8 @@ NUMPY_OPS = SimpleNamespace(
     embed=lambda table, tokens: np.asarray(table[tokens], np.float32),
     head=lambda h, w: h @ w.T, head_weight=lambda w: np.asarray(w, np.float32),
     param=lambda a: a, weight=lambda W: W, plain_weight=lambda W: W, act_dequant=quant.act_dequant,
+    experts=None,                                       # routed experts stay a list of per-expert Weights
+    expert_linear=lambda x, ffn, e, name: quant.linear_ref(x, ffn["experts"][e][name], True),
     name="numpy",                                       # weights stay memory-mapped NumPy arrays
 )
 
@@ -295,6 +299,9 @@ def make_ops(backend, device=None):  # the op table of a backend ("numpy", or "t
 def to_backend(w, ops):  # a nested weight dict -> the same with every array handed to ops.param
     if isinstance(w, quant.Weight):
         return ops.weight(w)
+    if isinstance(w, dict) and "experts" in w and ops.experts is not None:      # the backend's expert layout
+        out = {k: to_backend(v, ops) for k, v in w.items() if k != "experts"}
+        return out | ops.experts(w["experts"])
     if isinstance(w, dict):
         return {k: to_backend(v, ops) for k, v in w.items()}
     if isinstance(w, list):

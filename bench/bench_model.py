@@ -60,11 +60,16 @@ def random_weights(args, dev, bf16, gen):
                             "weights_proj": quant.Weight(torch.randn(64, D, device=dev, generator=gen).to(torch.bfloat16) / 85, None)}}
         if i < a.first_k_dense_replace:
             ffn = mlp(a.intermediate_size)
-        else:
-            ffn = {"gate": quant.Weight(torch.randn(a.n_routed_experts, D, device=dev, generator=gen).to(torch.bfloat16) / 85, None),
-                   "gate_bias": torch.zeros(a.n_routed_experts, device=dev),
-                   "experts": [mlp(a.moe_intermediate_size) for _ in range(a.n_routed_experts)],
-                   "shared_experts": mlp(a.moe_intermediate_size)}
+        else:                                            # the torch backend's layout: experts stacked
+            E, I = a.n_routed_experts, a.moe_intermediate_size
+            w13 = [lin(2 * I, D) for _ in range(E)]
+            w2 = [lin(D, I) for _ in range(E)]
+            stack = lambda ws: quant.Weight(torch.stack([w.w for w in ws]),                         # noqa: E731
+                                            None if ws[0].scale is None else torch.stack([w.scale for w in ws]))
+            ffn = {"gate": quant.Weight(torch.randn(E, D, device=dev, generator=gen).to(torch.bfloat16) / 85, None),
+                   "gate_bias": torch.zeros(E, device=dev), "w13": stack(w13), "w2": stack(w2),
+                   "shared_experts": mlp(I)}
+            del w13, w2
         layers.append({"attn_norm": vec(D), "ffn_norm": vec(D), "attn": attn, "ffn": ffn})
     emb = torch.randn(a.vocab_size, D, device=dev, generator=gen).to(torch.bfloat16)
     return {"embed": emb, "head": emb, "norm": vec(D), "layers": layers}
@@ -139,16 +144,8 @@ def main():
         print(f"| {k} | {f[k]:.1f} | {b[k]:.1f} | {f[k] / b[k]:.2f} |")
 
 
-def no_kernel_ops():  # the baseline's op table: plain torch on the GPU, bf16 weights, no Triton
-    ops = backend_torch.torch_ops("cuda", kernels=False)
-    real_linear = ops.linear
-
-    def linear(x, W, official):                                # bf16 weights: a bf16 matmul, bf16 out
-        if W.scale is None and W.w.dtype == torch.bfloat16:
-            return (x.to(torch.bfloat16) @ W.w.T).float()
-        return real_linear(x, W, official)
-    ops.linear = linear
-    return ops
+def no_kernel_ops():  # the baseline's op table: plain torch on the GPU (bf16 weights: bf16 GEMMs), no Triton
+    return backend_torch.torch_ops("cuda", kernels=False)
 
 
 if __name__ == "__main__":

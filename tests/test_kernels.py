@@ -120,3 +120,27 @@ def test_kernels_are_used_on_the_gpu():
     import backend_torch
     ops = backend_torch.torch_ops("cuda")
     assert ops.kernels is not None
+
+
+@settings(max_examples=8)
+@given(st.integers(1, 12), st.integers(1, 4), st.integers(2, 6), st.integers(1, 140), st.sampled_from([128, 256]),
+       st.integers(0, 2 ** 31))
+def test_moe_gemm_kernel(M, Kt, E, N, K, seed):
+    import backend_torch
+    rng = np.random.default_rng(seed)
+    Kt = min(Kt, E)
+    idx = np.stack([rng.choice(E, Kt, replace=False) for _ in range(M)])       # each token's experts
+    a, sa = quant.act_quant((rng.standard_normal((M, K)) * 3).astype(np.float32))
+    ws = [quant.weight_quant(rng.standard_normal((N, K)).astype(np.float32)) for _ in range(E)]
+    ops = backend_torch.torch_ops(DEV, kernels=False)
+    rows, pair_at, block_expert = ops.route(torch.from_numpy(idx).to(DEV), E, kernels_cuda.MOE_BLOCK_M)
+    W = torch.stack([t8(w) for w, _ in ws]), torch.stack([torch.from_numpy(s).to(DEV) for _, s in ws])
+    got = kernels_cuda.moe_gemm(t8(a), torch.from_numpy(sa).to(DEV), *W, rows, block_expert, out_dtype=torch.float32)
+    got, rows_np, pair_np = got.cpu().numpy(), rows.cpu().numpy(), pair_at.cpu().numpy()
+    assert sorted(pair_np[rows_np >= 0].tolist()) == list(range(M * Kt))        # every pair exactly once
+    for p in np.nonzero(rows_np >= 0)[0]:
+        t, slot = divmod(int(pair_np[p]), Kt)
+        assert rows_np[p] == t
+        w, s = ws[idx[t, slot]]
+        ref = quant.fp8_gemm(a[t:t + 1], sa[t:t + 1], w, s)[0]
+        assert np.abs(got[p] - ref).max() <= 2.0 ** -13 * (K // 128) * np.abs(ref).max() + 1e-30

@@ -60,8 +60,8 @@ def test_chunked_prefill_equals_one_prefill(ckpt, device):
 
 def test_fp8_weights_stay_fp8(ckpt):
     m = Transformer.from_pretrained(ckpt, backend="torch")
-    w = m.w["layers"][1]["ffn"]["experts"][0]["w1"]
-    assert w.w.dtype == torch.float8_e4m3fn and w.scale.dtype == torch.float32
+    w = m.w["layers"][1]["ffn"]["w13"]                                      # all experts stacked [E, 2I, d]
+    assert w.w.dtype == torch.float8_e4m3fn and w.scale.dtype == torch.float32 and w.w.shape == (8, 256, 256)
 
 
 def test_bad_device_and_backend():
@@ -85,9 +85,8 @@ def test_expert_probe_stops_a_permuted_w2(ckpt, monkeypatch):
 
     def faulty(w, ops):                                                     # a loader that permutes one W2
         out = real(w, ops)
-        if isinstance(out, dict) and "ffn" in out and "experts" in out["ffn"] and out["ffn"]["experts"]:
-            W = out["ffn"]["experts"][3]["w2"]
-            out["ffn"]["experts"][3]["w2"] = type(W)(permute_w2_rows(W.w), W.scale)
+        if isinstance(out, dict) and "w2" in out and out["w2"].w.dim() == 3:
+            out["w2"].w[3] = permute_w2_rows(out["w2"].w[3])                # expert 3 of every MoE layer
         return out
 
     monkeypatch.setattr(model, "to_backend", faulty)
