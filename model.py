@@ -12,6 +12,7 @@ Numerics, set at load time:
 
 Letters: B batch, T new tokens, S = start_pos + T keys, d hidden_size, V vocab_size.
 """
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -360,14 +361,18 @@ class Transformer:
 
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics="official", attention="sparse", indexer=None,
-                        max_seq_len=None, device=None, progress=None, probe=True):
+                        max_seq_len=None, device=None, progress=None, probe=True, n_layers=None):
         """Open a checkpoint folder in the real layout. NumPy: weights stay memory-mapped until used.
         torch: each layer's tensors go to the device as they are read (FP8 stays FP8), then every
-        routed expert passes a known-answer probe (probe_experts); progress(i, n) is called after each layer."""
+        routed expert passes a known-answer probe (probe_experts); progress(i, n) is called after each layer.
+        n_layers: build only the first n layers (then the final norm and head), for checks."""
         ops = make_ops(backend, device)
         ck = checkpoint.Checkpoint(path)
         args = ModelArgs.from_config(ck.config, where=str(Path(path) / "config.json"),
                                      **({"max_seq_len": max_seq_len} if max_seq_len else {}))
+        if n_layers is not None and n_layers < args.num_hidden_layers:   # only the first n layers (--verify-layers)
+            args = dataclasses.replace(args, num_hidden_layers=n_layers,
+                                       first_k_dense_replace=min(args.first_k_dense_replace, n_layers))
         weights = {"embed": ck.get("model.embed_tokens.weight"), "norm": np.asarray(ck.get("model.norm.weight"), np.float32),
                    "head": ck.get("lm_head.weight"),
                    "layers": [load_layer(ck, i, args) for i in range(args.num_hidden_layers)]}  # MTP layer skipped

@@ -11,7 +11,6 @@
 
 Then a verdict: exit code 0 when everything holds.
 """
-import dataclasses
 import hashlib
 import json
 import sys
@@ -42,15 +41,6 @@ def to_numpy(x):
     return x.float().cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
 
 
-def truncated(m, n_layers):  # the first n layers (+ final norm and head) of a loaded model
-    if n_layers is None or n_layers >= m.args.num_hidden_layers:
-        return m
-    m.args = dataclasses.replace(m.args, num_hidden_layers=n_layers,
-                                 first_k_dense_replace=min(m.args.first_k_dense_replace, n_layers))
-    m.w["layers"] = m.w["layers"][:n_layers]
-    return m
-
-
 def run(m, tokens):
     """-> (per-layer hidden [L] of [T, d], per-layer selections, prefill logits [T, V], greedy continuation)."""
     rec = {}
@@ -72,9 +62,8 @@ def digest(values):
 def verify(ckpt, backend="torch", device=None, numerics="official", layers=None, record=False, out=sys.stdout):
     """Print the checks and a verdict; -> True when everything holds."""
     ok = True
-    load = dict(max_seq_len=None)
-    ref = truncated(Transformer.from_pretrained(ckpt, numerics="exact", **load), layers)
-    sub = truncated(Transformer.from_pretrained(ckpt, backend=backend, device=device, numerics="exact", **load), layers)
+    ref = Transformer.from_pretrained(ckpt, numerics="exact", n_layers=layers)
+    sub = Transformer.from_pretrained(ckpt, backend=backend, device=device, numerics="exact", n_layers=layers)
     rng = np.random.default_rng(20261130)
     tokens = rng.integers(3, min(ref.args.vocab_size, 100000), N_TOKENS)
     hr, sr, lr, cr = run(ref, tokens)
@@ -95,7 +84,7 @@ def verify(ckpt, backend="torch", device=None, numerics="official", layers=None,
           f"{'' if same else '  <-- differs'}", file=out)
 
     # goldens of this exact combination, in the chosen numerics
-    m = truncated(Transformer.from_pretrained(ckpt, backend=backend, device=device, numerics=numerics), layers)
+    m = Transformer.from_pretrained(ckpt, backend=backend, device=device, numerics=numerics, n_layers=layers)
     _, _, logits, cont = run(m, tokens)
     import quant
     result = {"greedy": cont, "logits_bf16": digest(quant.bf16_round(logits).astype(np.float32))}
