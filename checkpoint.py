@@ -322,7 +322,6 @@ def build_tiny(out_dir, seed=0, tokenizer=True):
 
 if __name__ == "__main__":
     import argparse
-    import sys
     ap = argparse.ArgumentParser(description="Write the bundled tiny DeepSeek-V3.2-Exp checkpoint (deterministic).")
     ap.add_argument("out", help="folder to write (replaced if it exists)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")

@@ -13,8 +13,6 @@ Numerics, set at load time:
 Letters: B batch, T new tokens, S = start_pos + T keys, d hidden_size, V vocab_size.
 """
 import dataclasses
-import json
-import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace

@@ -108,7 +108,6 @@ def main():
             tb = timed(lambda: x @ wb)
             ta = timed(lambda: kernels_cuda.act_quant(x))
             rows.append(dict(shape=name, M=M, N=N, K=K, ms=t, bf16_ms=tb, act_quant_ms=ta))
-        del w, wb
     Path(a.out).mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d"), roofline=roof)

@@ -16,7 +16,6 @@ from model import Transformer
 
 
 def test_reads_what_safetensors_writes(tmp_path):
-    rng = np.random.default_rng(0)
     src = {"a.weight": torch.randn(5, 7).to(torch.float8_e4m3fn), "b": torch.randn(3, 130).to(torch.bfloat16),
            "c": torch.randn(2, 2, 2), "d": torch.arange(6, dtype=torch.int64)}
     save_file(src, tmp_path / "x.safetensors")

@@ -5,7 +5,6 @@ from hypothesis import given, strategies as st
 
 import indexer
 import quant
-from helpers import rel_err
 
 
 @given(st.sampled_from([1, 2, 4, 16, 128, 256]), st.integers(0, 2 ** 31))

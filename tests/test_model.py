@@ -1,7 +1,5 @@
 """model.py: decode step by step and prefill in chunks equal one prefill; ModelArgs from real and
 broken configs; clear errors on bad input."""
-import json
-
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
