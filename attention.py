@@ -64,19 +64,23 @@ def latent_fp8_roundtrip_ref(c_kv):  # [..., C] bf16 values -> [..., C] bf16 val
     return quant.bf16_round(quant.act_dequant(*quant.act_quant(c_kv)))   # exact: power-of-two scales
 
 
-def causal_mask_ref(B, T, start_pos):  # -> [B, T, S] bool: dense attention, every causal key
-    return np.broadcast_to(indexer.causal_ref(T, start_pos), (B, T, start_pos + T))
+def causal_mask_ref(B, T, start_pos, S):  # -> [B, T, S] bool: dense attention, every causal key
+    return np.broadcast_to(indexer.causal_ref(T, start_pos, S), (B, T, S))
 
 
-def mla_forward(x, p, cache, start_pos, cos, sin, args, opts):
-    """One attention layer: x [B, T, d] -> [B, T, d]; writes this chunk into `cache`.
+def store_ref(buf, start_pos, value, B, T):  # cache[:B, start_pos:start_pos+T] = value ([B, T, ...] or a scalar)
+    buf[:B, start_pos:start_pos + T] = value
+
+
+def mla_forward(x, p, cache, start_pos, S, cos, sin, args, opts):
+    """One attention layer: x [B, T, d] -> [B, T, d]; writes this chunk into `cache` at start_pos and
+    attends over its first S slots (S = start_pos + T; a captured decode passes the capacity).
     opts: official, sparse, indexer_fp8 (bools) and ops, the backend's op table (model.py)."""
     B, T, _ = x.shape
     H, N, R, V, C = (args.num_attention_heads, args.qk_nope_head_dim, args.qk_rope_head_dim,
                      args.v_head_dim, args.kv_lora_rank)
     ops, off = opts.ops, opts.official
     rnd = ops.bf16_round if off else ops.no_round
-    end = start_pos + T
 
     # queries: the low-rank path c^Q -> q
     qr = ops.rms_norm(ops.linear(x, p["wq_a"], off), p["q_norm"], args.rms_norm_eps, rnd)      # [B, T, r_q]
@@ -89,19 +93,20 @@ def mla_forward(x, p, cache, start_pos, cos, sin, args, opts):
     k_pe = rnd(ops.rope_interleaved(kv[:, :, None, C:], cos, sin))[:, :, 0]       # [B, T, R]
     if off:
         c_kv = ops.latent_fp8_roundtrip(c_kv)
-    cache.kv[:B, start_pos:end], cache.pe[:B, start_pos:end] = c_kv, k_pe
+    ops.store(cache.kv, start_pos, c_kv, B, T)
+    ops.store(cache.pe, start_pos, k_pe, B, T)
 
     # eq. (2): which keys each query may see
     if opts.sparse:
-        allowed = indexer.indexer_forward(x, qr, p["indexer"], cache.idx, start_pos, cos, sin, args, opts)
+        allowed = indexer.indexer_forward(x, qr, p["indexer"], cache.idx, start_pos, S, cos, sin, args, opts)
         if opts.record is not None:                     # --verify: the selection, layer by layer
             opts.record.setdefault("selected", []).append(allowed)
     else:  # dense: V3.1-Terminus behaviour on the same weights (the indexer is not run)
-        allowed = ops.causal_mask(B, T, start_pos)                                 # [B, T, S]
+        allowed = ops.causal_mask(B, T, start_pos, S)                              # [B, T, S]
 
-    kv_all, pe_all = cache.kv[:B, :end], cache.pe[:B, :end]
+    kv_all, pe_all = cache.kv[:B, :S], cache.pe[:B, :S]
     if T > 1:  # MHA mode: expand the whole cached latent (chunks after position 0 see the cache too)
-        kvb = ops.linear(kv_all, p["wkv_b"], off).reshape(B, end, H, N + V)       # W^UK c, W^UV c
+        kvb = ops.linear(kv_all, p["wkv_b"], off).reshape(B, S, H, N + V)         # W^UK c, W^UV c
         o = ops.mha(q_nope, q_pe, kvb[..., :N], pe_all, kvb[..., N:], allowed, args.softmax_scale, rnd)
     else:      # absorbed MQA mode: W^UKV dequantized once (bf16 in official numerics) and kept
         if "wkv_b_absorbed" not in p:

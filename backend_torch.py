@@ -156,13 +156,13 @@ def torch_ops(device, kernels=True):
         I = torch.einsum("btj,btjs->bts", w.float(), qk.clamp_min(0))
         return I * k_scale.float()[:, None, :]
 
-    def causal(T, start_pos):
-        return torch.arange(start_pos + T, device=device)[None, :] <= (start_pos + torch.arange(T, device=device))[:, None]
+    def causal(T, start_pos, S):  # start_pos: an int, or a 0-d device tensor (captured decode)
+        return torch.arange(S, device=device)[None, :] <= (start_pos + torch.arange(T, device=device))[:, None]
 
     def topk_select(I, K, start_pos):
         B, T, S = I.shape
-        c = causal(T, start_pos)
-        masked = torch.where(c[None], I, torch.tensor(-float("inf"), device=device))
+        c = causal(T, start_pos, S)
+        masked = I.masked_fill(~c[None], -float("inf"))
         order = torch.sort(-masked, dim=-1, stable=True).indices[..., :min(K, S)]   # ties: lower index first
         sel = torch.zeros(B, T, S, dtype=torch.bool, device=device).scatter_(-1, order, True)
         return sel & c[None]
@@ -173,8 +173,16 @@ def torch_ops(device, kernels=True):
     def latent_fp8_roundtrip(c_kv):
         return bf16_round(act_dequant(*act_quant(c_kv)))
 
-    def causal_mask(B, T, start_pos):
-        return causal(T, start_pos)[None].expand(B, T, start_pos + T)
+    def causal_mask(B, T, start_pos, S):
+        return causal(T, start_pos, S)[None].expand(B, T, S)
+
+    def store(buf, start_pos, value, B, T):  # cache write; a device start_pos keeps it capturable
+        if isinstance(start_pos, torch.Tensor):
+            if not isinstance(value, torch.Tensor):
+                value = torch.full((B, T) + tuple(buf.shape[2:]), value, device=device)
+            buf[:B].index_copy_(1, start_pos + torch.arange(T, device=device), value.to(buf.dtype))
+        else:
+            buf[:B, start_pos:start_pos + T] = value
 
     def softmax(z):
         return torch.softmax(z.float(), -1)
@@ -247,7 +255,7 @@ def torch_ops(device, kernels=True):
         P = -(-(pairs + min(pairs, E) * (bm - 1)) // bm) * bm          # enough for any routing
         flat = idx.reshape(-1)
         sorted_e, order = torch.sort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=E)
+        counts = torch.zeros(E, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))  # no sync
         padded = (counts + bm - 1) // bm * bm
         start_pad, start = torch.cumsum(padded, 0) - padded, torch.cumsum(counts, 0) - counts
         dest = start_pad[sorted_e] + torch.arange(pairs, device=device) - start[sorted_e]
@@ -334,7 +342,7 @@ def torch_ops(device, kernels=True):
         bf16_round=bf16_round, no_round=no_round, act_quant=act_quant, linear=linear, dequant=dequant,
         rms_norm=rms_norm, layer_norm=layer_norm, rope_interleaved=rope_interleaved, rope_half_split=rope_half_split,
         rotate_activation=rotate_activation, head_weights=head_weights, index_scores=index_scores,
-        topk_select=topk_select, latent_fp8_roundtrip=latent_fp8_roundtrip, causal_mask=causal_mask,
+        topk_select=topk_select, latent_fp8_roundtrip=latent_fp8_roundtrip, causal_mask=causal_mask, store=store,
         mha=mha, mqa_absorbed=mqa_absorbed, mlp=mlp, moe=moe, gate=gate, experts=experts, expert_linear=expert_linear,
         route=route,
         cat=lambda xs, axis: torch.cat(xs, axis), zeros=zeros,
@@ -345,3 +353,36 @@ def torch_ops(device, kernels=True):
         param=lambda a: to_torch(a, device), weight=weight, act_dequant=act_dequant,
         plain_weight=lambda W: quant.Weight(to_torch(W.w, device), None if W.scale is None else to_torch(W.scale, device)),
     )
+
+
+# -----------------------------------------------------------------------------
+# Decode replayed from a captured CUDA graph
+
+class GraphDecoder:
+    """Decode steps of a loaded torch model replayed from one CUDA graph of Transformer.decode_static:
+    the caches are preallocated (model.reserve), the token and the position sit in device buffers, and
+    a step is two small copies, a replay and nothing read back but what the caller reads. Built after
+    the prefill, at the first position to decode (its warm-up runs write only that slot, which the
+    first real step overwrites)."""
+
+    def __init__(self, model, batch, first_pos):
+        dev = model.caches[0].kv.device
+        self.model = model
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.pos = torch.full((), first_pos, dtype=torch.long, device=dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):                                    # compile kernels, fill lazy tables
+            for _ in range(2):
+                model.decode_static(self.tok, self.pos)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = model.decode_static(self.tok, self.pos)
+
+    def __call__(self, tokens, pos):  # tokens [B, 1] (device or host) at position pos -> logits [B, V]
+        self.tok.copy_(torch.as_tensor(tokens).reshape(self.tok.shape), non_blocking=True)
+        self.pos.fill_(pos)
+        self.graph.replay()
+        self.model.cached_len = pos + 1
+        return self.logits

@@ -79,9 +79,16 @@ class ChatPrinter:
         self.out.flush()
 
 
-def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, on_token=None, reuse=0):
+def _on_cuda(model):
+    ops = getattr(getattr(model, "opts", None), "ops", None)
+    return getattr(ops, "name", "") == "torch" and ops.device.type == "cuda"
+
+
+def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, on_token=None, reuse=0,
+             cuda_graph=True):
     """prompts: lists of token ids -> (completions, stats). reuse > 0 (batch of one): the model's
-    caches already hold prompts[0][:reuse], so only the rest is prefilled (a chunk at start_pos=reuse)."""
+    caches already hold prompts[0][:reuse], so only the rest is prefilled (a chunk at start_pos=reuse).
+    On a CUDA device the decode steps replay one captured CUDA graph (cuda_graph=False: plain steps)."""
     rng = rng or np.random.default_rng(0)
     B = len(prompts)
     lens = [len(p) for p in prompts]
@@ -99,9 +106,16 @@ def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, 
     finished = np.zeros(B, bool)
     stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
     prev = reuse
+    graph, use_graph = None, cuda_graph and _on_cuda(model)
     for cur in range(min(lens), total):
         t0 = time.perf_counter()
-        logits = model.forward(tokens[:, prev:cur], start_pos=prev)
+        if use_graph and cur - prev == 1 and prev > reuse:               # decode: replay one captured graph
+            if graph is None:
+                import backend_torch
+                graph = backend_torch.GraphDecoder(model, B, prev)
+            logits = graph(tokens[:, prev:cur], prev)
+        else:
+            logits = model.forward(tokens[:, prev:cur], start_pos=prev)
         if not isinstance(logits, np.ndarray) and temperature <= 0:   # torch, greedy: only the token comes back
             nxt = logits.argmax(-1).cpu().numpy()
         else:

@@ -66,15 +66,15 @@ def index_scores_ref(q, w, k, k_scale):  # [B, T, J, D], [B, T, J], [B, S, D], [
 # -----------------------------------------------------------------------------
 # eq. (2): causal top-k selection
 
-def causal_ref(T, start_pos):  # -> [T, S] bool: key s visible to query t iff s <= start_pos + t
-    return np.arange(start_pos + T)[None, :] <= (start_pos + np.arange(T))[:, None]
+def causal_ref(T, start_pos, S=None):  # -> [T, S] bool: key s visible to query t iff s <= start_pos + t
+    return np.arange(start_pos + T if S is None else S)[None, :] <= (start_pos + np.arange(T))[:, None]
 
 
 def topk_select_ref(I, K, start_pos):  # [B, T, S] f32, top-k, offset -> [B, T, S] bool
     """Select min(K, S) keys per query among the causal ones (key s <= start_pos + t). Ties break
     toward the lower key index (a stable sort), so two runs always choose alike."""
     B, T, S = I.shape
-    causal = causal_ref(T, start_pos)                                         # [T, S]
+    causal = causal_ref(T, start_pos, S)                                      # [T, S]
     masked = np.where(causal[None], I, -np.inf)
     k = min(K, S)
     order = np.argsort(-masked, axis=-1, kind="stable")[..., :k]              # [B, T, k]
@@ -86,9 +86,11 @@ def topk_select_ref(I, K, start_pos):  # [B, T, S] f32, top-k, offset -> [B, T, 
 # -----------------------------------------------------------------------------
 # The indexer layer: projections, RoPE, (rotation + FP8), key cache, scores, selection
 
-def indexer_forward(x, qr, p, cache, start_pos, cos, sin, args, opts):
+def indexer_forward(x, qr, p, cache, start_pos, S, cos, sin, args, opts):
     """x [B, T, d], qr [B, T, r_q] (the MLA query latent, shared) -> selection [B, T, S] bool.
-    p: this layer's indexer weights; cache: its key cache (written at start_pos..start_pos+T);
+    p: this layer's indexer weights; cache: its key cache (written at start_pos..start_pos+T; the
+    first S slots are scored, S = start_pos + T except in a captured decode, where S is the cache's
+    capacity and the causal mask hides the slots not written yet);
     opts: official, indexer_fp8 and ops, the backend's op table (model.py)."""
     B, T, _ = x.shape
     J, D, R = args.index_n_heads, args.index_head_dim, args.qk_rope_head_dim
@@ -106,10 +108,10 @@ def indexer_forward(x, qr, p, cache, start_pos, cos, sin, args, opts):
         q_scale, k_scale = q_scale[..., 0], k_scale[..., 0]
     else:
         q_scale, k_scale = 1.0, 1.0                                                 # exact: unit scales
-    end = start_pos + T
-    cache.k[:B, start_pos:end], cache.k_scale[:B, start_pos:end] = k, k_scale
+    ops.store(cache.k, start_pos, k, B, T)
+    ops.store(cache.k_scale, start_pos, k_scale, B, T)
     w = ops.head_weights(x, p["weights_proj"], q_scale, J, D)                     # w^I_{t,j} [B, T, J]
-    I = ops.index_scores(q, w, cache.k[:B, :end], cache.k_scale[:B, :end])        # eq. (1) [B, T, S]
+    I = ops.index_scores(q, w, cache.k[:B, :S], cache.k_scale[:B, :S])            # eq. (1) [B, T, S]
     return ops.topk_select(I, args.index_topk, start_pos)                         # eq. (2)
 
 

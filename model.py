@@ -269,6 +269,7 @@ NUMPY_OPS = SimpleNamespace(
     index_scores=indexer.index_scores_ref, topk_select=indexer.topk_select_ref,
     # MLA
     latent_fp8_roundtrip=attention.latent_fp8_roundtrip_ref, causal_mask=attention.causal_mask_ref,
+    store=attention.store_ref,
     mha=attention.mha_ref, mqa_absorbed=attention.mqa_absorbed_ref,
     # feed-forward
     mlp=moe.mlp_ref, moe=moe.moe_ref, gate=moe.gate_ref,
@@ -428,11 +429,20 @@ class Transformer:
         cos, sin = ops.angles(*rope.rope_angles(self.freqs, np.arange(start_pos, end)))   # [T, R/2] each
 
         h = ops.embed(self.w["embed"], ops.tokens(tokens))                  # [B, T, d] (bf16 values)
+        h = self._blocks(h, start_pos, end, cos, sin, record)
+        self.cached_len = end
+        if "head_f32" not in self.w:                                    # fp32 head weights (official), once
+            self.w["head_f32"] = ops.head_weight(self.w["head"])
+        return ops.head(h if all_positions else h[:, -1], self.w["head_f32"])   # [B, (T,) V] float32
+
+    def _blocks(self, h, start_pos, S, cos, sin, record=None):  # [B, T, d] -> the final norm's output
+        a, o, ops = self.args, self.opts, self.opts.ops
+        B, T, _ = h.shape
         residual = None
         o.record = record
         for i, (lw, cache) in enumerate(zip(self.w["layers"], self.caches)):
             x, residual = self._norm(h, residual, lw["attn_norm"])
-            x = attention.mla_forward(x, lw["attn"], cache, start_pos, cos, sin, a, o)
+            x = attention.mla_forward(x, lw["attn"], cache, start_pos, S, cos, sin, a, o)
             x, residual = self._norm(x, residual, lw["ffn_norm"])
             x = x.reshape(B * T, -1)                                        # [M, d], M = B*T tokens
             if i < a.first_k_dense_replace:
@@ -443,10 +453,19 @@ class Transformer:
                 record.setdefault("hidden", []).append(h + residual)          # the residual stream after layer i
         o.record = None
         h, _ = self._norm(h, residual, self.w["norm"])
-        self.cached_len = end
-        if "head_f32" not in self.w:                                    # fp32 head weights (official), once
-            self.w["head_f32"] = ops.head_weight(self.w["head"])
-        return ops.head(h if all_positions else h[:, -1], self.w["head_f32"])   # [B, (T,) V] float32
+        return h
+
+    def decode_static(self, tok, pos):
+        """One decode step with every shape fixed and nothing read back: tok [B, 1] and pos (a 0-d
+        integer array) live on the device, attention and the indexer run over the caches' whole
+        capacity with the causal mask hiding the slots not written yet. This is what a CUDA graph
+        captures (backend_torch.GraphDecoder); it equals forward(tok, pos) in exact arithmetic."""
+        ops, cap = self.opts.ops, self.caches[0].cap
+        if getattr(self, "rope_table", (None,))[0] is None or self.rope_table[0].shape[0] != cap:
+            self.rope_table = ops.angles(*rope.rope_angles(self.freqs, np.arange(cap)))   # [cap, R/2] each
+        cos, sin = self.rope_table[0][pos][None], self.rope_table[1][pos][None]          # [1, R/2]
+        h = self._blocks(ops.embed(self.w["embed"], tok), pos, cap, cos, sin)
+        return ops.head(h[:, -1], self.w["head_f32"])
 
     def _norm(self, x, residual, w):  # fused residual add (official): norm of the fp32 sum, residual rounded
         ops = self.opts.ops

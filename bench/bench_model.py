@@ -100,6 +100,8 @@ def measure(m, args, chunk, gen):
         out[f"prefill_{ctx}"] = ctx / sync_time(prefill)
     for B, ctx in ((1, 4096), (32, 1024)):                    # decode after a prefill of ctx tokens
         tok = torch.randint(0, V, (B, ctx), device="cuda", generator=gen)
+        m.caches = None
+        m.reserve(B, ctx + 64)                                # caches preallocated for prefill + decode
         for p in range(0, ctx, chunk // B if B > 1 else chunk):
             m.forward(tok[:, p:p + max(chunk // B, 1)], start_pos=p)
         steps = 16
@@ -110,6 +112,15 @@ def measure(m, args, chunk, gen):
             for s in range(steps):
                 nxt = m.forward(nxt, start_pos=ctx + s).argmax(-1, keepdim=True)
         out[f"decode_b{B}"] = B * steps / sync_time(decode)
+        pos0 = ctx + steps                                    # the same decode, replayed from a CUDA graph
+        m.reserve(B, pos0 + steps + 1)
+        graph = backend_torch.GraphDecoder(m, B, pos0)
+
+        def decode_graph():
+            nonlocal nxt
+            for s in range(steps):
+                nxt = graph(nxt, pos0 + s).argmax(-1, keepdim=True)
+        out[f"decode_b{B}_cuda_graph"] = B * steps / sync_time(decode_graph)
     return out
 
 

@@ -111,7 +111,7 @@ def test_attention_ops(fx, trace, i):
                         a.rope_scaling["beta_fast"], a.rope_scaling["beta_slow"])
     cos, sin = ops.angles(*rope.rope_angles(f, np.arange(T)))
     import attention
-    out = attention.mla_forward(x, p, cache, 0, cos, sin, a, SimpleNamespace(official=True, sparse=True,
+    out = attention.mla_forward(x, p, cache, 0, T, cos, sin, a, SimpleNamespace(official=True, sparse=True,
                                                                             indexer_fp8=True, ops=ops, record=None))
     assert_bf16_close(host(out), t["attn_out"], what="mla_forward")
     np.testing.assert_array_equal(host(cache.idx.k[:, :T]), t["idx_k_fp8_bits"])

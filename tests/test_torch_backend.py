@@ -92,3 +92,25 @@ def test_expert_probe_stops_a_permuted_w2(ckpt, monkeypatch):
     monkeypatch.setattr(model, "to_backend", faulty)
     with pytest.raises(model.LoadError, match=r"layer 1 expert 3 w2: the device weights give \d+% relative error"):
         Transformer.from_pretrained(ckpt, backend="torch")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_decode_equals_decode(ckpt, device):
+    # the capturable decode step (fixed shapes over the whole cache, device-side position) against
+    # the ordinary decode step, in exact numerics; on a GPU also replayed from a CUDA graph
+    tokens = np.random.default_rng(4).integers(0, 2048, (2, 20))
+    a = Transformer.from_pretrained(ckpt, numerics="exact", backend="torch", device=device)
+    b = Transformer.from_pretrained(ckpt, numerics="exact", backend="torch", device=device)
+    a.forward(tokens)
+    b.reserve(2, 40)
+    b.forward(tokens)
+    nxt = tokens[:, -1:]
+    if device == "cuda":
+        import backend_torch
+        graph = backend_torch.GraphDecoder(b, 2, 20)
+    for step in range(12):
+        la = a.forward(nxt, start_pos=20 + step)
+        t = torch.as_tensor(nxt, device=device)
+        lb = graph(t, 20 + step) if device == "cuda" else b.decode_static(t, torch.tensor(20 + step, device=device))
+        assert rel_err(lb.cpu().numpy(), la.cpu().numpy()) <= 1e-5, step
+        nxt = la.argmax(-1, keepdim=True).cpu().numpy()
