@@ -180,7 +180,10 @@ def torch_ops(device, kernels=True):
         if isinstance(start_pos, torch.Tensor):
             if not isinstance(value, torch.Tensor):
                 value = torch.full((B, T) + tuple(buf.shape[2:]), value, device=device)
-            buf[:B].index_copy_(1, start_pos + torch.arange(T, device=device), value.to(buf.dtype))
+            value = value.to(buf.dtype)
+            if buf.element_size() == 1:                                  # FP8 keys: copy their bytes
+                buf, value = buf.view(torch.uint8), value.view(torch.uint8)
+            buf[:B].index_copy_(1, start_pos + torch.arange(T, device=device), value)
         else:
             buf[:B, start_pos:start_pos + T] = value
 
