@@ -463,7 +463,8 @@ class Transformer:
         ops, cap = self.opts.ops, self.caches[0].cap
         if getattr(self, "rope_table", (None,))[0] is None or self.rope_table[0].shape[0] != cap:
             self.rope_table = ops.angles(*rope.rope_angles(self.freqs, np.arange(cap)))   # [cap, R/2] each
-        cos, sin = self.rope_table[0][pos][None], self.rope_table[1][pos][None]          # [1, R/2]
+        at = pos.reshape(1)                                               # indexing by a tensor: no .item()
+        cos, sin = self.rope_table[0][at], self.rope_table[1][at]         # [1, R/2]
         h = self._blocks(ops.embed(self.w["embed"], tok), pos, cap, cos, sin)
         return ops.head(h[:, -1], self.w["head_f32"])
 
