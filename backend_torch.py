@@ -366,7 +366,8 @@ class GraphDecoder:
     the caches are preallocated (model.reserve), the token and the position sit in device buffers, and
     a step is two small copies, a replay and nothing read back but what the caller reads. Built after
     the prefill, at the first position to decode (its warm-up runs write only that slot, which the
-    first real step overwrites)."""
+    first real step overwrites). Official numerics only: the exact path's expert loop reads back
+    which experts were chosen, which a graph cannot hold."""
 
     def __init__(self, model, batch, first_pos):
         dev = model.caches[0].kv.device

@@ -79,9 +79,10 @@ class ChatPrinter:
         self.out.flush()
 
 
-def _on_cuda(model):
-    ops = getattr(getattr(model, "opts", None), "ops", None)
-    return getattr(ops, "name", "") == "torch" and ops.device.type == "cuda"
+def _on_cuda(model):  # a torch model on a CUDA GPU in official numerics: its decode step is capturable
+    opts = getattr(model, "opts", None)
+    ops = getattr(opts, "ops", None)
+    return getattr(ops, "name", "") == "torch" and ops.device.type == "cuda" and opts.official
 
 
 def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, on_token=None, reuse=0,
