@@ -56,7 +56,7 @@ def act_quant_torch(x, block_size=128, scale_fmt="ue8m0"):  # quant.act_quant in
     x = x.float()
     xb = x.reshape(*x.shape[:-1], -1, block_size)
     amax = xb.abs().amax(-1).clamp_min(1e-4)
-    v = amax * torch.tensor(1 / 448, dtype=torch.float32, device=x.device)   # one fp32 multiply
+    v = amax * (1 / 448)                          # one fp32 multiply by fp32(1/448) (no host tensor: capturable)
     s = ue8m0_ceil(v) if scale_fmt == "ue8m0" else v
     q = (xb / s[..., None]).clamp(-448, 448).to(F8)
     return q.reshape(x.shape), s
