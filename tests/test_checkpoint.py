@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file
 
 import checkpoint
+import quant
 from checkpoint import CheckpointError
 from model import Transformer
 
@@ -165,3 +166,11 @@ def test_config_that_does_not_fit_the_weights(small):
     (small / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"layer 0 attn.wq_a has shape \(128, 256\), but config.json implies \(256, 256\)"):
         Transformer.from_pretrained(small)
+
+
+def test_torch_weight_quant_equals_numpy():
+    w = np.random.default_rng(2).standard_normal((300, 200)).astype(np.float32) * 0.01
+    q, s = checkpoint.torch_weight_quant(torch.from_numpy(w))
+    qr, sr = quant.weight_quant(w)
+    np.testing.assert_array_equal(s.numpy(), sr)
+    np.testing.assert_array_equal(q.view(torch.uint8).numpy(), qr.view(np.uint8))
