@@ -183,3 +183,15 @@ def test_verify_catches_the_old_indexer_rope(tiny, monkeypatch):
     out = io.StringIO()
     assert not verify.verify(tiny, "torch", "cpu", "exact", out=out)
     assert "beyond tolerance" in out.getvalue() and "VERIFY FAIL" in out.getvalue()
+
+
+def test_benchmark_tables_render_from_the_stored_runs():
+    # the stored H200 runs re-render into bench/RESULTS.md's table without a GPU
+    import json
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_gemm
+    d = json.loads((ROOT / "bench" / "gemm_h200_2026-11-30.json").read_text())
+    lines = bench_gemm.render(d["meta"], d["rows"])
+    assert len(lines) == 4 + len(d["rows"]) and "NVIDIA H200" in lines[0]
+    results = (ROOT / "bench" / "RESULTS.md").read_text()
+    assert all(line in results for line in lines[2:])
