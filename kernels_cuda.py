@@ -206,3 +206,50 @@ def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, decode=
     _moe_gemm_kernel[grid](a, sa, b, sb, c, rows, block_expert, N, K, K // 128, BLOCK_M=MOE_BLOCK_M, BLOCK_N=block_n,
                            BLOCK_K=128, DECODE=decode, FNUZ=fnuz, num_warps=4, num_stages=3)
     return c
+
+
+# -----------------------------------------------------------------------------
+# eq. (1), the lightning indexer's scores: heads on the MMA's M side, keys split over the context
+
+@triton.jit
+def _index_scores_kernel(Q, W, K, KS, OUT, T, S, J, start_pos,
+                         JP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr):
+    """Reference: indexer.index_scores_ref (+ the causal mask of topk_select_ref). One program per
+    (query token, block of BLOCK_S keys): logits [heads, keys] = q_t k^T in one MMA (heads padded to
+    JP >= 16 rows), ReLU per head, then the signed head weights, then the key scale. Key blocks wholly
+    after the query's position are skipped and written as -inf, like every masked key."""
+    bt, sb = tl.program_id(0), tl.program_id(1)
+    b, t = bt // T, bt % T
+    rs = sb * BLOCK_S + tl.arange(0, BLOCK_S)
+    last = start_pos + t                                               # the query's own position
+    out = OUT + bt.to(tl.int64) * S + rs
+    if sb * BLOCK_S > last:                                            # all future keys: nothing to compute
+        tl.store(out, tl.full((BLOCK_S,), float("-inf"), tl.float32), mask=rs < S)
+    else:
+        rj, rd = tl.arange(0, JP), tl.arange(0, D)
+        q = tl.load(Q + (bt.to(tl.int64) * J + rj[:, None]) * D + rd[None, :], mask=rj[:, None] < J, other=0.0)
+        k = tl.load(K + (b.to(tl.int64) * S + rs[None, :]) * D + rd[:, None], mask=rs[None, :] < S, other=0.0)
+        if IEEE:                                                       # float32 q, k (exact numerics): no tf32
+            logits = tl.dot(q, k, input_precision="ieee")
+        else:                                                          # FP8 q, k: one MMA with fp32 accumulation
+            logits = tl.dot(q, k, out_dtype=tl.float32)
+        w = tl.load(W + bt.to(tl.int64) * J + rj, mask=rj < J, other=0.0)
+        score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)   # ReLU per head, before the signed weights
+        score = score * tl.load(KS + b.to(tl.int64) * S + rs, mask=rs < S, other=0.0)
+        tl.store(out, tl.where(rs <= last, score, float("-inf")), mask=rs < S)
+
+
+def index_scores(q, w, k, k_scale, start_pos, block_s=64):
+    """q [B, T, J, D] (FP8 or float32), w [B, T, J] f32, k [B, S, D] (same dtype as q), k_scale [B, S] f32
+    -> [B, T, S] f32 scores, -inf at keys after each query's position (start_pos + t)."""
+    B, T, J, D = q.shape
+    S = k.shape[1]
+    assert k.shape == (B, S, D) and k.dtype == q.dtype and w.shape == (B, T, J) and k_scale.shape == (B, S)
+    assert D in (64, 128, 256), f"index_scores: head dim {D}"
+    q, k, w, k_scale = q.contiguous(), k.contiguous(), w.float().contiguous(), k_scale.float().contiguous()
+    out = torch.empty(B, T, S, dtype=torch.float32, device=q.device)
+    jp = max(16, triton.next_power_of_2(J))
+    grid = (B * T, triton.cdiv(S, block_s))
+    _index_scores_kernel[grid](q, w, k, k_scale, out, T, S, J, start_pos, JP=jp, D=D, BLOCK_S=block_s,
+                               IEEE=q.dtype == torch.float32, num_warps=4)
+    return out

@@ -144,3 +144,28 @@ def test_moe_gemm_kernel(M, Kt, E, N, K, seed):
         w, s = ws[idx[t, slot]]
         ref = quant.fp8_gemm(a[t:t + 1], sa[t:t + 1], w, s)[0]
         assert np.abs(got[p] - ref).max() <= 2.0 ** -13 * (K // 128) * np.abs(ref).max() + 1e-30
+
+
+@settings(max_examples=8)
+@given(st.integers(1, 2), st.integers(1, 5), st.integers(0, 70), st.sampled_from([1, 16, 64]), st.booleans(),
+       st.integers(0, 2 ** 31))
+def test_index_scores_kernel(B, T, past, J, fp8, seed):
+    import indexer
+    rng = np.random.default_rng(seed)
+    S, D = past + T, 128
+    q = rng.standard_normal((B, T, J, D)).astype(np.float32)
+    k = rng.standard_normal((B, S, D)).astype(np.float32)
+    w = rng.standard_normal((B, T, J)).astype(np.float32)
+    ks = np.exp2(rng.integers(-3, 3, (B, S))).astype(np.float32)
+    if fp8:
+        q, k = q.astype(quant.E4M3), k.astype(quant.E4M3)
+        args = (t8(q), torch.from_numpy(w).to(DEV), t8(k), torch.from_numpy(ks).to(DEV))
+    else:
+        args = tuple(torch.from_numpy(a).to(DEV) for a in (q, w, k, ks))
+    got = kernels_cuda.index_scores(*args, start_pos=past).cpu().numpy()
+    ref = indexer.index_scores_ref(q, w, k, ks)
+    causal = indexer.causal_ref(T, past)[None]                                 # [1, T, S]
+    assert np.all(np.isneginf(got[~np.broadcast_to(causal, got.shape)]))       # future keys: -inf
+    scale = (np.abs(w).sum(-1)[..., None] * ks[:, None, :]).max() * D
+    tol = (2.0 ** -12 if (fp8 and not INTERPRETED) else 1e-6) * scale
+    assert np.abs(np.where(causal, got - ref, 0)).max() <= tol
