@@ -169,3 +169,28 @@ def test_index_scores_kernel(B, T, past, J, fp8, seed):
     scale = (np.abs(w).sum(-1)[..., None] * ks[:, None, :]).max() * D
     tol = (2.0 ** -12 if (fp8 and not INTERPRETED) else 1e-6) * scale
     assert np.abs(np.where(causal, got - ref, 0)).max() <= tol
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx90a"])
+def test_rocm_moe_gemm(arch):
+    if HAS_CUDA and not torch.version.hip:
+        pytest.skip("ROCm variants run in the interpreter (or on an AMD GPU)")
+    import backend_torch
+    rng = np.random.default_rng(7)
+    M, Kt, E, N, K = 5, 2, 4, 96, 256
+    fnuz = kernels_rocm.ARCHS[arch]["fnuz"]
+    idx = np.stack([rng.choice(E, Kt, replace=False) for _ in range(M)])
+    a, sa = quant.act_quant((rng.standard_normal((M, K)) * 3).astype(np.float32), fp8=quant.E4M3FNUZ if fnuz else quant.E4M3)
+    ws = [quant.weight_quant(rng.standard_normal((N, K)).astype(np.float32)) for _ in range(E)]
+    prepared = [kernels_rocm.prepare_weight(t8(w), torch.from_numpy(s).to(DEV), arch=arch) for w, s in ws]
+    W = torch.stack([w for w, _ in prepared]), torch.stack([s for _, s in prepared])
+    rows, pair_at, block_expert = backend_torch.torch_ops(DEV, kernels=False).route(torch.from_numpy(idx).to(DEV), E, 16)
+    got = kernels_rocm.moe_gemm(t8(a, torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn), torch.from_numpy(sa).to(DEV),
+                                *W, rows, block_expert, out_dtype=torch.float32, arch=arch).cpu().numpy()
+    rows_np, pair_np = rows.cpu().numpy(), pair_at.cpu().numpy()
+    for p in np.nonzero(rows_np >= 0)[0]:
+        t, slot = divmod(int(pair_np[p]), Kt)
+        w, s = ws[idx[t, slot]]
+        w, s = quant.to_e4m3fnuz(w, s) if fnuz else (w, s)
+        ref = quant.fp8_gemm(a[t:t + 1], sa[t:t + 1], w, s)[0]
+        assert np.abs(got[p] - ref).max() <= 2.0 ** -13 * 2 * np.abs(ref).max()
