@@ -253,3 +253,69 @@ def index_scores(q, w, k, k_scale, start_pos, block_s=64):
     _index_scores_kernel[grid](q, w, k, k_scale, out, T, S, J, start_pos, JP=jp, D=D, BLOCK_S=block_s,
                                IEEE=q.dtype == torch.float32, num_warps=4)
     return out
+
+
+# -----------------------------------------------------------------------------
+# Sparse MLA decode (absorbed form): each head attends to its token's selected latent entries
+
+@triton.jit
+def _sparse_mla_decode_kernel(QA, QPE, KV, PE, IDX, O_PART, LSE_PART, H, KSEL, L, SPLIT, scale,
+                              C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Reference: attention.mqa_absorbed_ref's softmax(q.k) v over the selected keys (exact numerics).
+    One program per (sequence, block of heads, split of the selected set): gather the selected
+    latent rows [BLOCK_N, C + R] by index, scores in one MMA per part, online softmax (running max m,
+    sum l), and write the split's normalised output with its log-sum-exp for the combine step."""
+    b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = rh < H
+    rc, rr = tl.arange(0, C), tl.arange(0, R)
+    qa = tl.load(QA + (b * H + rh[:, None]) * C + rc[None, :], mask=hm[:, None], other=0.0)
+    qp = tl.load(QPE + (b * H + rh[:, None]) * R + rr[None, :], mask=hm[:, None], other=0.0)
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, C), tl.float32)
+    lo = sp * SPLIT
+    hi = tl.minimum(lo + SPLIT, KSEL)
+    for n0 in range(lo, hi, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        s = tl.load(IDX + b * KSEL + rn, mask=rn < hi, other=-1)          # selected positions (-1: none)
+        ok = s >= 0
+        row = b.to(tl.int64) * L + tl.where(ok, s, 0)
+        kv = tl.load(KV + row[:, None] * C + rc[None, :], mask=ok[:, None], other=0.0)   # gathered latent
+        pe = tl.load(PE + row[:, None] * R + rr[None, :], mask=ok[:, None], other=0.0)
+        z = (tl.dot(qa, tl.trans(kv), input_precision="ieee") + tl.dot(qp, tl.trans(pe), input_precision="ieee")) * scale
+        z = tl.where(ok[None, :], z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)            # all masked so far: no NaN
+        p = tl.exp(z - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
+        m = m_new
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    lse = tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), float("-inf"))
+    base = (b * tl.num_programs(2) + sp) * H
+    tl.store(O_PART + (base + rh[:, None]) * C + rc[None, :], o, mask=hm[:, None])
+    tl.store(LSE_PART + base + rh, lse, mask=hm)
+
+
+def sparse_mla_decode(qa, q_pe, kv, pe, idx, scale, splits=None, block_h=16, block_n=16):
+    """qa [B, H, C] (the query absorbed into the latent space), q_pe [B, H, R], kv [B, L, C] latent cache,
+    pe [B, L, R], idx [B, K] selected positions (-1: none) -> [B, H, C] float32 = softmax_s(scale *
+    (qa . kv_s + q_pe . pe_s)) kv_s over the selected s. Splits over the selected set are combined by
+    their log-sum-exp, so one sequence can fill the GPU."""
+    B, H, C = qa.shape
+    R, L, K = q_pe.shape[-1], kv.shape[1], idx.shape[1]
+    assert kv.shape == (B, L, C) and pe.shape == (B, L, R) and q_pe.shape == (B, H, R) and idx.shape[0] == B
+    qa, q_pe, kv, pe = (t.float().contiguous() for t in (qa, q_pe, kv, pe))
+    idx = idx.to(torch.int32).contiguous()
+    splits = splits or max(1, min(triton.cdiv(K, block_n), 132 // max(1, B * triton.cdiv(H, block_h))))
+    per = triton.cdiv(triton.cdiv(K, splits), block_n) * block_n
+    splits = triton.cdiv(K, per)
+    o_part = torch.empty(B, splits, H, C, dtype=torch.float32, device=qa.device)
+    lse = torch.empty(B, splits, H, dtype=torch.float32, device=qa.device)
+    _sparse_mla_decode_kernel[(B, triton.cdiv(H, block_h), splits)](
+        qa, q_pe, kv, pe, idx, o_part, lse, H, K, L, per, scale, C=C, R=R, BLOCK_H=block_h, BLOCK_N=block_n,
+        num_warps=8)
+    w = torch.softmax(lse, dim=1).nan_to_num(0.0)                       # combine the splits (all -inf: 0)
+    return (o_part * w[..., None]).sum(1)

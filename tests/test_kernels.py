@@ -194,3 +194,22 @@ def test_rocm_moe_gemm(arch):
         w, s = quant.to_e4m3fnuz(w, s) if fnuz else (w, s)
         ref = quant.fp8_gemm(a[t:t + 1], sa[t:t + 1], w, s)[0]
         assert np.abs(got[p] - ref).max() <= 2.0 ** -13 * 2 * np.abs(ref).max()
+
+
+@settings(max_examples=6)
+@given(st.integers(1, 2), st.sampled_from([1, 16, 20]), st.integers(1, 40), st.integers(1, 48), st.integers(0, 2 ** 31))
+def test_sparse_mla_decode_kernel(B, H, L, K, seed):
+    rng = np.random.default_rng(seed)
+    C, R = 64, 32                                              # small latent for the interpreter (real: 512 + 64)
+    qa, qp = rng.standard_normal((B, H, C)), rng.standard_normal((B, H, R))
+    kv, pe = rng.standard_normal((B, L, C)), rng.standard_normal((B, L, R))
+    idx = np.stack([np.concatenate([rng.permutation(L)[:min(K, L)], -np.ones(max(0, K - L), int)]) for _ in range(B)])
+    scale = 0.1
+    got = kernels_cuda.sparse_mla_decode(*(torch.from_numpy(a.astype(np.float32)).to(DEV) for a in (qa, qp, kv, pe)),
+                                         torch.from_numpy(idx).to(DEV), scale, block_n=16).cpu().numpy()
+    for b in range(B):                                          # float64 oracle over the selected set
+        sel = idx[b][idx[b] >= 0]
+        z = (qa[b] @ kv[b, sel].T + qp[b] @ pe[b, sel].T) * scale
+        p = np.exp(z - z.max(1, keepdims=True))
+        ref = (p / p.sum(1, keepdims=True)) @ kv[b, sel]
+        assert np.abs(got[b] - ref).max() <= 1e-5 * np.abs(ref).max()
