@@ -281,8 +281,8 @@ def _sparse_mla_decode_kernel(QA, QPE, KV, PE, IDX, O_PART, LSE_PART, H, KSEL, L
         s = tl.load(IDX + b * KSEL + rn, mask=rn < hi, other=-1)          # selected positions (-1: none)
         ok = s >= 0
         row = b.to(tl.int64) * L + tl.where(ok, s, 0)
-        kv = tl.load(KV + row[:, None] * C + rc[None, :], mask=ok[:, None], other=0.0)   # gathered latent
-        pe = tl.load(PE + row[:, None] * R + rr[None, :], mask=ok[:, None], other=0.0)
+        kv = tl.load(KV + row[:, None] * C + rc[None, :], mask=ok[:, None], other=0.0).to(tl.float32)  # gathered
+        pe = tl.load(PE + row[:, None] * R + rr[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         z = (tl.dot(qa, tl.trans(kv), input_precision="ieee") + tl.dot(qp, tl.trans(pe), input_precision="ieee")) * scale
         z = tl.where(ok[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 1))
@@ -307,7 +307,8 @@ def sparse_mla_decode(qa, q_pe, kv, pe, idx, scale, splits=None, block_h=16, blo
     B, H, C = qa.shape
     R, L, K = q_pe.shape[-1], kv.shape[1], idx.shape[1]
     assert kv.shape == (B, L, C) and pe.shape == (B, L, R) and q_pe.shape == (B, H, R) and idx.shape[0] == B
-    qa, q_pe, kv, pe = (t.float().contiguous() for t in (qa, q_pe, kv, pe))
+    qa, q_pe = qa.float().contiguous(), q_pe.float().contiguous()      # the cache stays in its dtype (bf16 / f32)
+    kv, pe = kv.contiguous(), pe.contiguous()
     idx = idx.to(torch.int32).contiguous()
     splits = splits or max(1, min(triton.cdiv(K, block_n), 132 // max(1, B * triton.cdiv(H, block_h))))
     per = triton.cdiv(triton.cdiv(K, splits), block_n) * block_n

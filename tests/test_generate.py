@@ -195,3 +195,10 @@ def test_benchmark_tables_render_from_the_stored_runs():
     assert len(lines) == 4 + len(d["rows"]) and "NVIDIA H200" in lines[0]
     results = (ROOT / "bench" / "RESULTS.md").read_text()
     assert all(line in results for line in lines[2:])
+
+
+def test_dsa_benchmark_script_runs(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_dsa.py"), "--smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "| sparse MLA decode |" in r.stdout and (tmp_path / "dsa.json").is_file()

@@ -197,16 +197,22 @@ def test_rocm_moe_gemm(arch):
 
 
 @settings(max_examples=6)
-@given(st.integers(1, 2), st.sampled_from([1, 16, 20]), st.integers(1, 40), st.integers(1, 48), st.integers(0, 2 ** 31))
-def test_sparse_mla_decode_kernel(B, H, L, K, seed):
+@given(st.integers(1, 2), st.sampled_from([1, 16, 20]), st.integers(1, 40), st.integers(1, 48), st.booleans(),
+       st.integers(0, 2 ** 31))
+def test_sparse_mla_decode_kernel(B, H, L, K, bf16_cache, seed):
     rng = np.random.default_rng(seed)
     C, R = 64, 32                                              # small latent for the interpreter (real: 512 + 64)
     qa, qp = rng.standard_normal((B, H, C)), rng.standard_normal((B, H, R))
     kv, pe = rng.standard_normal((B, L, C)), rng.standard_normal((B, L, R))
+    if bf16_cache:                                             # the cache in bf16, read as is by the kernel
+        kv, pe = quant.bf16_round(kv).astype(np.float64), quant.bf16_round(pe).astype(np.float64)
     idx = np.stack([np.concatenate([rng.permutation(L)[:min(K, L)], -np.ones(max(0, K - L), int)]) for _ in range(B)])
     scale = 0.1
-    got = kernels_cuda.sparse_mla_decode(*(torch.from_numpy(a.astype(np.float32)).to(DEV) for a in (qa, qp, kv, pe)),
-                                         torch.from_numpy(idx).to(DEV), scale, block_n=16).cpu().numpy()
+    cache_dtype = torch.bfloat16 if bf16_cache else torch.float32
+    tq = [torch.from_numpy(a.astype(np.float32)).to(DEV) for a in (qa, qp)]
+    tc = [torch.from_numpy(a.astype(np.float32)).to(DEV).to(cache_dtype) for a in (kv, pe)]
+    got = kernels_cuda.sparse_mla_decode(tq[0], tq[1], tc[0], tc[1], torch.from_numpy(idx).to(DEV), scale,
+                                         block_n=16).cpu().numpy()
     for b in range(B):                                          # float64 oracle over the selected set
         sel = idx[b][idx[b] >= 0]
         z = (qa[b] @ kv[b, sel].T + qp[b] @ pe[b, sel].T) * scale
