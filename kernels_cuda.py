@@ -320,3 +320,68 @@ def sparse_mla_decode(qa, q_pe, kv, pe, idx, scale, splits=None, block_h=16, blo
         num_warps=8)
     w = torch.softmax(lse, dim=1).nan_to_num(0.0)                       # combine the splits (all -inf: 0)
     return (o_part * w[..., None]).sum(1)
+
+
+# -----------------------------------------------------------------------------
+# eq. (2): exact top-k over each query's causal keys by radix select
+
+@triton.jit
+def _ordered_key(x):  # fp32 -> int64 in [0, 2^32) whose order is the float order (larger score, larger key)
+    bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    return tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)
+
+
+@triton.jit
+def _topk_kernel(SCORES, OUT, T, S, K, start_pos, BLOCK: tl.constexpr):
+    """Reference: indexer.topk_select_ref (as indices). One program per query row: the K-th largest
+    key among the causal ones is found digit by digit (four 8-bit passes, histogram per pass), then
+    every key above it and the lowest-indexed keys equal to it (ties toward the lower index) are
+    written out; the row is padded with -1 when it has fewer than K causal keys."""
+    row = tl.program_id(0)
+    t = row % T
+    n = tl.minimum(start_pos + t + 1, S)                               # causal keys of this query
+    kk = tl.minimum(K, n)
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros((), tl.int64)
+    hi_mask = tl.zeros((), tl.int64)
+    need = kk.to(tl.int64)
+    for p in range(4):                                                 # radix select, most significant digit first
+        shift = 24 - 8 * p
+        hist = tl.zeros((256,), tl.int64)
+        for s0 in range(0, n, BLOCK):
+            rs = s0 + tl.arange(0, BLOCK)
+            u = _ordered_key(tl.load(SCORES + row.to(tl.int64) * S + rs, mask=rs < n, other=0.0))
+            cand = (rs < n) & ((u & hi_mask) == prefix)
+            d = (u >> shift) & 0xFF
+            hist += tl.sum(((d[:, None] == bins[None, :]) & cand[:, None]).to(tl.int64), axis=0)
+        above = tl.sum(tl.where(bins[None, :] > bins[:, None], hist[None, :], 0), axis=1)   # keys in higher buckets
+        b = tl.max(tl.where(above + hist >= need, bins, -1), axis=0)   # the bucket holding the need-th largest
+        need -= tl.sum(tl.where(bins > b, hist, 0), axis=0)
+        prefix |= b.to(tl.int64) << shift
+        hi_mask |= 0xFF << shift
+    # prefix is now the K-th largest key; take all keys above it and the first `need` equal to it
+    base = tl.zeros((), tl.int64)
+    taken_eq = tl.zeros((), tl.int64)
+    for s0 in range(0, n, BLOCK):
+        rs = s0 + tl.arange(0, BLOCK)
+        ok = rs < n
+        u = _ordered_key(tl.load(SCORES + row.to(tl.int64) * S + rs, mask=ok, other=0.0))
+        eq = ok & (u == prefix)
+        eq_rank = taken_eq + tl.cumsum(eq.to(tl.int64), axis=0)         # 1-based rank among equal keys, in index order
+        sel = (ok & (u > prefix)) | (eq & (eq_rank <= need))
+        pos = base + tl.cumsum(sel.to(tl.int64), axis=0) - 1
+        tl.store(OUT + row.to(tl.int64) * K + pos, rs, mask=sel)
+        base += tl.sum(sel.to(tl.int64), axis=0)
+        taken_eq += tl.sum(eq.to(tl.int64), axis=0)
+    for s0 in range(0, K, BLOCK):                                      # pad the rest with -1
+        rk = s0 + tl.arange(0, BLOCK)
+        tl.store(OUT + row.to(tl.int64) * K + rk, tl.full((BLOCK,), -1, tl.int32), mask=(rk >= kk) & (rk < K))
+
+
+def topk_indices(scores, K, start_pos, block=256):
+    """scores [B, T, S] f32 -> [B, T, K] int32: each query's top-K causal keys (ties toward the lower
+    index), -1 where it has fewer than K causal keys."""
+    B, T, S = scores.shape
+    out = torch.empty(B, T, K, dtype=torch.int32, device=scores.device)
+    _topk_kernel[(B * T,)](scores.float().contiguous(), out, T, S, K, start_pos, BLOCK=block, num_warps=4)
+    return out
