@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main():
@@ -29,27 +30,18 @@ def main():
     import torch
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    import bench_gemm
     import kernels_cuda
+    bench_gemm._imports()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=dev).manual_seed(0)
 
-    def timed(fn, reps=10 if not a.smoke else 1):
-        if dev == "cpu":
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
-        flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    def timed(fn):  # median CUDA-event time with the L2 flushed (bench_gemm's); on the CPU one plain call
+        if dev == "cuda":
+            return bench_gemm.timed(fn, reps=10)
+        t = time.perf_counter()
         fn()
-        times = []
-        for _ in range(reps):
-            flush.zero_()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        return sorted(times)[len(times) // 2]
+        return (time.perf_counter() - t) * 1e3
 
     rows = []
     J, D = (64, 128) if not a.smoke else (16, 128)
