@@ -6,8 +6,10 @@ official model holds bf16 (the reference's convention), FP8 weights stay FP8 on 
 per weight plus the 128x128 block scales).
 
 On a CUDA or ROCm GPU the hot ops go to Triton kernels (kernels_cuda.py / kernels_rocm.py):
-act_quant and the block-scaled FP8 GEMM. On the CPU, and for ops without a kernel yet, plain torch
-computes what the reference computes (FP8 products in float64, which holds them exactly).
+act_quant, the block-scaled FP8 GEMM and the grouped expert GEMM (experts stacked per layer, routed
+on the device). On the CPU, and for ops without a kernel yet, plain torch computes what the
+reference computes (FP8 products in float64, which holds them exactly). GraphDecoder, at the end,
+replays decode steps from a captured CUDA graph.
 """
 from types import SimpleNamespace
 

@@ -6,7 +6,14 @@
     moe_gemm    the same GEMM for the routed experts: all experts' weights stacked [E, N, K], token
                 rows gathered by index, one expert per 16-row block   reference: quant.fp8_gemm per expert
 
-The kernel sources are shared with kernels_rocm.py: what differs by architecture (the FP8 flavour
+First DSA kernels (tested against their references; not yet called by the model):
+    index_scores        eq. (1), heads on the MMA's M side, keys split over the context
+                                                                    reference: indexer.index_scores_ref
+    topk_indices        exact causal top-k by radix select         reference: indexer.topk_select_ref
+    sparse_mla_decode   absorbed MLA over the selected latent rows, split + log-sum-exp combine
+                                                                    reference: attention.mqa_absorbed_ref (exact)
+
+act_quant, fp8_gemm and moe_gemm are shared with kernels_rocm.py: what differs by architecture (the FP8 flavour
 and its maximum, whether FP8 is decoded by hand, tile sizes) arrives as constexpr arguments and
 wrapper data. Every kernel runs on the CPU under TRITON_INTERPRET=1 (tests/test_kernels.py), where
 the interpreter's fp32->fp8 and fp32->bf16 casts are defective (spec/kernels.md §4.3): the tests there

@@ -10,6 +10,9 @@ Numerics, set at load time:
 - "exact": float32 throughout on dequantized weights, and by default the exact float32 indexer
   (what transformers computes): the mode for oracle work.
 
+Backends: every numerical op goes through one op table, NUMPY_OPS here (the _ref functions, the
+definition of the model) or backend_torch.torch_ops(device); the wiring below is written once.
+
 Letters: B batch, T new tokens, S = start_pos + T keys, d hidden_size, V vocab_size.
 """
 import dataclasses
