@@ -6,12 +6,15 @@
     moe_gemm    the same GEMM for the routed experts: all experts' weights stacked [E, N, K], token
                 rows gathered by index, one expert per 16-row block   reference: quant.fp8_gemm per expert
 
-First DSA kernels (tested against their references; not yet called by the model):
-    index_scores        eq. (1), heads on the MMA's M side, keys split over the context
+DSA kernels (DeepSeek Sparse Attention; the model calls them on a GPU through backend_torch):
+    index_scores        eq. (1) for a prefill chunk or decode rows: BQ queries x all heads on the MMA's
+                        M side, keys streamed and split over the context, future key blocks skipped
                                                                     reference: indexer.index_scores_ref
-    topk_indices        exact causal top-k by radix select         reference: indexer.topk_select_ref
-    sparse_mla_decode   absorbed MLA over the selected latent rows, split + log-sum-exp combine
-                                                                    reference: attention.mqa_absorbed_ref (exact)
+    topk_indices        eq. (2), exact causal top-k by radix select  reference: indexer.topk_select_ref
+    sparse_mla_decode   absorbed MLA over the selected latent rows (packed FP8 656-byte rows, or bf16 /
+    sparse_mla_prefill  float32), online softmax; decode splits the selected set and combines the
+                        splits by log-sum-exp, prefill writes each query directly
+                                                                    reference: attention.mqa_absorbed_ref
 
 act_quant, fp8_gemm and moe_gemm are shared with kernels_rocm.py: what differs by architecture (the FP8 flavour
 and its maximum, whether FP8 is decoded by hand, tile sizes) arrives as constexpr arguments and
@@ -19,6 +22,8 @@ wrapper data. Every kernel runs on the CPU under TRITON_INTERPRET=1 (tests/test_
 the interpreter's fp32->fp8 and fp32->bf16 casts are defective (spec/kernels.md §4.3): the tests there
 allow exactly those defects and check bit-exactness on a GPU.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -216,117 +221,102 @@ def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, decode=
 
 
 # -----------------------------------------------------------------------------
-# eq. (1), the lightning indexer's scores: heads on the MMA's M side, keys split over the context
+# DSA kernels. Positions arrive as a device int32 [1] (POS): a captured decode step reads its
+# position from memory, so the same launch serves every step.
 
-@triton.jit
-def _index_scores_kernel(Q, W, K, KS, OUT, T, S, J, start_pos,
-                         JP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr):
-    """Reference: indexer.index_scores_ref (+ the causal mask of topk_select_ref). One program per
-    (query token, block of BLOCK_S keys): logits [heads, keys] = q_t k^T in one MMA (heads padded to
-    JP >= 16 rows), ReLU per head, then the signed head weights, then the key scale. Key blocks wholly
-    after the query's position are skipped and written as -inf, like every masked key."""
-    bt, sb = tl.program_id(0), tl.program_id(1)
-    b, t = bt // T, bt % T
-    rs = sb * BLOCK_S + tl.arange(0, BLOCK_S)
-    last = start_pos + t                                               # the query's own position
-    out = OUT + bt.to(tl.int64) * S + rs
-    if sb * BLOCK_S > last:                                            # all future keys: nothing to compute
-        tl.store(out, tl.full((BLOCK_S,), float("-inf"), tl.float32), mask=rs < S)
-    else:
-        rj, rd = tl.arange(0, JP), tl.arange(0, D)
-        q = tl.load(Q + (bt.to(tl.int64) * J + rj[:, None]) * D + rd[None, :], mask=rj[:, None] < J, other=0.0)
-        k = tl.load(K + (b.to(tl.int64) * S + rs[None, :]) * D + rd[:, None], mask=rs[None, :] < S, other=0.0)
-        if IEEE:                                                       # float32 q, k (exact numerics): no tf32
-            logits = tl.dot(q, k, input_precision="ieee")
-        else:                                                          # FP8 q, k: one MMA with fp32 accumulation
-            logits = tl.dot(q, k, out_dtype=tl.float32)
-        w = tl.load(W + bt.to(tl.int64) * J + rj, mask=rj < J, other=0.0)
-        score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)   # ReLU per head, before the signed weights
-        score = score * tl.load(KS + b.to(tl.int64) * S + rs, mask=rs < S, other=0.0)
-        tl.store(out, tl.where(rs <= last, score, float("-inf")), mask=rs < S)
+def _pos_tensor(start_pos, device):  # an int, or a 0-d device tensor (captured decode) -> int32 [1] on the device
+    if isinstance(start_pos, torch.Tensor):
+        return start_pos.reshape(1).to(device=device, dtype=torch.int32)
+    return torch.full((1,), int(start_pos), dtype=torch.int32, device=device)
 
 
-def index_scores(q, w, k, k_scale, start_pos, block_s=64):
-    """q [B, T, J, D] (FP8 or float32), w [B, T, J] f32, k [B, S, D] (same dtype as q), k_scale [B, S] f32
-    -> [B, T, S] f32 scores, -inf at keys after each query's position (start_pos + t)."""
-    B, T, J, D = q.shape
-    S = k.shape[1]
-    assert k.shape == (B, S, D) and k.dtype == q.dtype and w.shape == (B, T, J) and k_scale.shape == (B, S)
-    assert D in (64, 128, 256), f"index_scores: head dim {D}"
-    q, k, w, k_scale = q.contiguous(), k.contiguous(), w.float().contiguous(), k_scale.float().contiguous()
-    out = torch.empty(B, T, S, dtype=torch.float32, device=q.device)
-    jp = max(16, triton.next_power_of_2(J))
-    grid = (B * T, triton.cdiv(S, block_s))
-    _index_scores_kernel[grid](q, w, k, k_scale, out, T, S, J, start_pos, JP=jp, D=D, BLOCK_S=block_s,
-                               IEEE=q.dtype == torch.float32, num_warps=4)
-    return out
+def _interpreted():
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # -----------------------------------------------------------------------------
-# Sparse MLA decode (absorbed form): each head attends to its token's selected latent entries
+# eq. (1), the lightning indexer's scores: BQ query tokens x all their heads on the MMA's M side
 
 @triton.jit
-def _sparse_mla_decode_kernel(QA, QPE, KV, PE, IDX, O_PART, LSE_PART, H, KSEL, L, SPLIT, scale,
-                              C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Reference: attention.mqa_absorbed_ref's softmax(q.k) v over the selected keys (exact numerics).
-    One program per (sequence, block of heads, split of the selected set): gather the selected
-    latent rows [BLOCK_N, C + R] by index, scores in one MMA per part, online softmax (running max m,
-    sum l), and write the split's normalised output with its log-sum-exp for the combine step."""
-    b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hm = rh < H
-    rc, rr = tl.arange(0, C), tl.arange(0, R)
-    qa = tl.load(QA + (b * H + rh[:, None]) * C + rc[None, :], mask=hm[:, None], other=0.0)
-    qp = tl.load(QPE + (b * H + rh[:, None]) * R + rr[None, :], mask=hm[:, None], other=0.0)
-    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, C), tl.float32)
+def _index_scores_kernel(Q, W, K, KS, OUT, POS, T, S, J, SPLIT,
+                         BQ: tl.constexpr, JP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         IEEE: tl.constexpr, DECODE: tl.constexpr, FNUZ: tl.constexpr):
+    """Reference: indexer.index_scores_ref, with -inf at each query's future keys. One program per
+    (sequence, block of BQ queries, split of the keys): the queries' q rows [BQ * JP, D] stay in
+    registers while key blocks stream past; logits [BQ * JP, BLOCK_N] in one MMA, ReLU per head, the
+    signed head weights, the sum over heads, then the key scale (> 0, so it commutes with the ReLU).
+    Key blocks after the block's last query are not computed, only written -inf."""
+    b, sp = tl.program_id(0), tl.program_id(2)
+    qb = tl.num_programs(1) - 1 - tl.program_id(1)                     # longest rows first: a shorter tail
+    start_pos = tl.load(POS)
+    rm = tl.arange(0, BQ * JP)
+    t, j = qb * BQ + rm // JP, rm % JP                                 # each MMA row's query token and head
+    ok = (t < T) & (j < J)
+    bt = b.to(tl.int64) * T + t
+    rd = tl.arange(0, D)
+    if DECODE:                                                         # no FP8 hardware: fp16 operands
+        q = _e4m3_decode(tl.load(Q + (bt * J + j)[:, None] * D + rd[None, :], mask=ok[:, None], other=0), FNUZ)
+        q = q.to(tl.float16)
+    else:
+        q = tl.load(Q + (bt * J + j)[:, None] * D + rd[None, :], mask=ok[:, None], other=0.0)
+    w = tl.load(W + bt * J + j, mask=ok, other=0.0)
+    rq = qb * BQ + tl.arange(0, BQ)
+    last = start_pos + rq                                              # each query's own position
+    top = start_pos + tl.minimum(qb * BQ + BQ, T) - 1                  # the block's last position
     lo = sp * SPLIT
-    hi = tl.minimum(lo + SPLIT, KSEL)
-    for n0 in range(lo, hi, BLOCK_N):
+    hi = tl.minimum(lo + SPLIT, S)
+    live = tl.minimum(hi, top + 1)
+    out = OUT + (b.to(tl.int64) * T + rq)[:, None] * S
+    row_ok = (rq < T)[:, None]
+    for n0 in range(lo, live, BLOCK_N):
         rn = n0 + tl.arange(0, BLOCK_N)
-        s = tl.load(IDX + b * KSEL + rn, mask=rn < hi, other=-1)          # selected positions (-1: none)
-        ok = s >= 0
-        row = b.to(tl.int64) * L + tl.where(ok, s, 0)
-        kv = tl.load(KV + row[:, None] * C + rc[None, :], mask=ok[:, None], other=0.0).to(tl.float32)  # gathered
-        pe = tl.load(PE + row[:, None] * R + rr[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        z = (tl.dot(qa, tl.trans(kv), input_precision="ieee") + tl.dot(qp, tl.trans(pe), input_precision="ieee")) * scale
-        z = tl.where(ok[None, :], z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)            # all masked so far: no NaN
-        p = tl.exp(z - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
-        m = m_new
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
-    lse = tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), float("-inf"))
-    base = (b * tl.num_programs(2) + sp) * H
-    tl.store(O_PART + (base + rh[:, None]) * C + rc[None, :], o, mask=hm[:, None])
-    tl.store(LSE_PART + base + rh, lse, mask=hm)
+        k_at = K + (b.to(tl.int64) * S + rn)[None, :] * D + rd[:, None]
+        if DECODE:
+            k = _e4m3_decode(tl.load(k_at, mask=rn[None, :] < S, other=0), FNUZ).to(tl.float16)
+        else:
+            k = tl.load(k_at, mask=rn[None, :] < S, other=0.0)
+        if IEEE:                                                       # float32 q, k (exact numerics): no tf32
+            logits = tl.dot(q, k, input_precision="ieee")
+        else:                                                          # FP8 (or fp16) operands, fp32 accumulation
+            logits = tl.dot(q, k, out_dtype=tl.float32)
+        z = tl.maximum(logits, 0.0) * w[:, None]                       # ReLU per head, then the signed weight
+        score = tl.sum(tl.reshape(z, (BQ, JP, BLOCK_N)), axis=1)       # sum over heads -> [BQ, BLOCK_N]
+        score = score * tl.load(KS + b.to(tl.int64) * S + rn, mask=rn < S, other=0.0)[None, :]
+        tl.store(out + rn[None, :], tl.where(rn[None, :] <= last[:, None], score, float("-inf")),
+                 mask=row_ok & (rn < hi)[None, :])
+    f0 = lo + (tl.maximum(live - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    for n0 in range(f0, hi, BLOCK_N):                                  # future key blocks: only -inf
+        rn = n0 + tl.arange(0, BLOCK_N)
+        tl.store(out + rn[None, :], tl.full((BQ, BLOCK_N), float("-inf"), tl.float32), mask=row_ok & (rn < hi)[None, :])
 
 
-def sparse_mla_decode(qa, q_pe, kv, pe, idx, scale, splits=None, block_h=16, block_n=16):
-    """qa [B, H, C] (the query absorbed into the latent space), q_pe [B, H, R], kv [B, L, C] latent cache,
-    pe [B, L, R], idx [B, K] selected positions (-1: none) -> [B, H, C] float32 = softmax_s(scale *
-    (qa . kv_s + q_pe . pe_s)) kv_s over the selected s. Splits over the selected set are combined by
-    their log-sum-exp, so one sequence can fill the GPU."""
-    B, H, C = qa.shape
-    R, L, K = q_pe.shape[-1], kv.shape[1], idx.shape[1]
-    assert kv.shape == (B, L, C) and pe.shape == (B, L, R) and q_pe.shape == (B, H, R) and idx.shape[0] == B
-    qa, q_pe = qa.float().contiguous(), q_pe.float().contiguous()      # the cache stays in its dtype (bf16 / f32)
-    kv, pe = kv.contiguous(), pe.contiguous()
-    idx = idx.to(torch.int32).contiguous()
-    splits = splits or max(1, min(triton.cdiv(K, block_n), 132 // max(1, B * triton.cdiv(H, block_h))))
-    per = triton.cdiv(triton.cdiv(K, splits), block_n) * block_n
-    splits = triton.cdiv(K, per)
-    o_part = torch.empty(B, splits, H, C, dtype=torch.float32, device=qa.device)
-    lse = torch.empty(B, splits, H, dtype=torch.float32, device=qa.device)
-    _sparse_mla_decode_kernel[(B, triton.cdiv(H, block_h), splits)](
-        qa, q_pe, kv, pe, idx, o_part, lse, H, K, L, per, scale, C=C, R=R, BLOCK_H=block_h, BLOCK_N=block_n,
-        num_warps=8)
-    w = torch.softmax(lse, dim=1).nan_to_num(0.0)                       # combine the splits (all -inf: 0)
-    return (o_part * w[..., None]).sum(1)
+def index_scores(q, w, k, k_scale, start_pos, block_n=128, num_warps=8, num_stages=3, programs=264,
+                 decode=False, fnuz=False):
+    """q [B, T, J, D] (FP8 or float32), w [B, T, J] f32, k [B, S, D] (q's dtype), k_scale [B, S] f32,
+    start_pos (int or device tensor) -> [B, T, S] f32 scores, -inf at keys after each query's position
+    (start_pos + t). Prefill chunks and decode rows alike: the keys are split so that at least about
+    `programs` programs run (one decode row then spreads over the GPU)."""
+    B, T, J, D = q.shape
+    S = k.shape[1]
+    if k.shape != (B, S, D) or k.dtype != q.dtype or w.shape != (B, T, J) or k_scale.shape != (B, S):
+        raise ValueError(f"index_scores: q {tuple(q.shape)} {q.dtype}, w {tuple(w.shape)}, k {tuple(k.shape)} "
+                         f"{k.dtype}, k_scale {tuple(k_scale.shape)} do not fit")
+    if D not in (64, 128, 256):
+        raise ValueError(f"index_scores: head dim {D} (64, 128 or 256)")
+    q, k, w, k_scale = q.contiguous(), k.contiguous(), w.float().contiguous(), k_scale.float().contiguous()
+    if decode:                                                         # bytes, decoded in the kernel
+        q, k = q.view(torch.uint8), k.view(torch.uint8)
+    out = torch.empty(B, T, S, dtype=torch.float32, device=q.device)
+    jp = triton.next_power_of_2(J)
+    bq = max(16 // jp, min(max(128 // jp, 1), triton.next_power_of_2(T)), 1)   # BQ * JP rows: 16..128
+    nq, nblocks = triton.cdiv(T, bq), triton.cdiv(S, block_n)
+    splits = max(1, min(nblocks, triton.cdiv(programs, B * nq)))
+    split = triton.cdiv(nblocks, splits) * block_n
+    grid = (B, nq, triton.cdiv(S, split))
+    _index_scores_kernel[grid](q, w, k, k_scale, out, _pos_tensor(start_pos, q.device), T, S, J, split,
+                               BQ=bq, JP=jp, D=D, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+                               DECODE=decode, FNUZ=fnuz, num_warps=num_warps, num_stages=num_stages)
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -334,61 +324,233 @@ def sparse_mla_decode(qa, q_pe, kv, pe, idx, scale, splits=None, block_h=16, blo
 
 @triton.jit
 def _ordered_key(x):  # fp32 -> int64 in [0, 2^32) whose order is the float order (larger score, larger key)
+    x = tl.where(x == 0.0, 0.0, x)                                     # -0 ties with +0, as in a float sort
     bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     return tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)
 
 
 @triton.jit
-def _topk_kernel(SCORES, OUT, T, S, K, start_pos, BLOCK: tl.constexpr):
+def _topk_kernel(SCORES, OUT, POS, T, S, K, BLOCK: tl.constexpr):
     """Reference: indexer.topk_select_ref (as indices). One program per query row: the K-th largest
-    key among the causal ones is found digit by digit (four 8-bit passes, histogram per pass), then
-    every key above it and the lowest-indexed keys equal to it (ties toward the lower index) are
-    written out; the row is padded with -1 when it has fewer than K causal keys."""
+    key among the causal ones is found one 8-bit digit at a time (four passes, a 256-bin histogram
+    each, over the keys whose higher digits match so far), then every key above it and the
+    lowest-indexed keys equal to it (ties toward the lower index) are written out, in index order;
+    the row is padded with -1 when it has fewer than K causal keys."""
     row = tl.program_id(0)
     t = row % T
-    n = tl.minimum(start_pos + t + 1, S)                               # causal keys of this query
+    n = tl.minimum(tl.load(POS) + t + 1, S)                            # causal keys of this query
     kk = tl.minimum(K, n)
+    src = SCORES + row.to(tl.int64) * S
+    dst = OUT + row.to(tl.int64) * K
     bins = tl.arange(0, 256)
     prefix = tl.zeros((), tl.int64)
     hi_mask = tl.zeros((), tl.int64)
-    need = kk.to(tl.int64)
+    need = kk.to(tl.int32)
     for p in range(4):                                                 # radix select, most significant digit first
         shift = 24 - 8 * p
-        hist = tl.zeros((256,), tl.int64)
+        hist = tl.zeros((256,), tl.int32)
         for s0 in range(0, n, BLOCK):
             rs = s0 + tl.arange(0, BLOCK)
-            u = _ordered_key(tl.load(SCORES + row.to(tl.int64) * S + rs, mask=rs < n, other=0.0))
+            u = _ordered_key(tl.load(src + rs, mask=rs < n, other=0.0))
             cand = (rs < n) & ((u & hi_mask) == prefix)
-            d = (u >> shift) & 0xFF
-            hist += tl.sum(((d[:, None] == bins[None, :]) & cand[:, None]).to(tl.int64), axis=0)
-        above = tl.sum(tl.where(bins[None, :] > bins[:, None], hist[None, :], 0), axis=1)   # keys in higher buckets
+            hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=cand)
+        above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)         # keys in higher buckets
         b = tl.max(tl.where(above + hist >= need, bins, -1), axis=0)   # the bucket holding the need-th largest
         need -= tl.sum(tl.where(bins > b, hist, 0), axis=0)
         prefix |= b.to(tl.int64) << shift
         hi_mask |= 0xFF << shift
-    # prefix is now the K-th largest key; take all keys above it and the first `need` equal to it
-    base = tl.zeros((), tl.int64)
-    taken_eq = tl.zeros((), tl.int64)
+    # prefix is now the K-th largest key: take all keys above it and the first `need` equal to it
+    base = tl.zeros((), tl.int32)
+    taken_eq = tl.zeros((), tl.int32)
     for s0 in range(0, n, BLOCK):
         rs = s0 + tl.arange(0, BLOCK)
         ok = rs < n
-        u = _ordered_key(tl.load(SCORES + row.to(tl.int64) * S + rs, mask=ok, other=0.0))
+        u = _ordered_key(tl.load(src + rs, mask=ok, other=0.0))
         eq = ok & (u == prefix)
-        eq_rank = taken_eq + tl.cumsum(eq.to(tl.int64), axis=0)         # 1-based rank among equal keys, in index order
+        eq_rank = taken_eq + tl.cumsum(eq.to(tl.int32), axis=0)        # 1-based rank among equal keys, in index order
         sel = (ok & (u > prefix)) | (eq & (eq_rank <= need))
-        pos = base + tl.cumsum(sel.to(tl.int64), axis=0) - 1
-        tl.store(OUT + row.to(tl.int64) * K + pos, rs, mask=sel)
-        base += tl.sum(sel.to(tl.int64), axis=0)
-        taken_eq += tl.sum(eq.to(tl.int64), axis=0)
+        pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(dst + pos, rs, mask=sel)
+        base += tl.sum(sel.to(tl.int32), axis=0)
+        taken_eq += tl.sum(eq.to(tl.int32), axis=0)
     for s0 in range(0, K, BLOCK):                                      # pad the rest with -1
         rk = s0 + tl.arange(0, BLOCK)
-        tl.store(OUT + row.to(tl.int64) * K + rk, tl.full((BLOCK,), -1, tl.int32), mask=(rk >= kk) & (rk < K))
+        tl.store(dst + rk, tl.full((BLOCK,), -1, tl.int32), mask=(rk >= kk) & (rk < K))
 
 
-def topk_indices(scores, K, start_pos, block=256):
-    """scores [B, T, S] f32 -> [B, T, K] int32: each query's top-K causal keys (ties toward the lower
-    index), -1 where it has fewer than K causal keys."""
+def topk_indices(scores, K, start_pos, block=2048, num_warps=8):
+    """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
+    causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K."""
     B, T, S = scores.shape
     out = torch.empty(B, T, K, dtype=torch.int32, device=scores.device)
-    _topk_kernel[(B * T,)](scores.float().contiguous(), out, T, S, K, start_pos, BLOCK=block, num_warps=4)
+    _topk_kernel[(B * T,)](scores.float().contiguous(), out, _pos_tensor(start_pos, scores.device), T, S, K,
+                           BLOCK=block, num_warps=num_warps)
     return out
+
+
+# -----------------------------------------------------------------------------
+# Sparse MLA in the absorbed (MQA) form, decode and prefill: each query's heads attend to the
+# selected rows of the latent cache. A cache row is one token: either the packed FP8 layout
+# (spec/kernels.md §3.4: C e4m3 codes, C/128 fp32 scales, R bf16 rope values; 656 bytes for
+# C = 512, R = 64) or C + R plain values (bf16, or float32 for exact numerics).
+
+def latent_width(C, R):  # bytes of one packed FP8 row
+    return C + 4 * (C // 128) + 2 * R
+
+
+@triton.jit
+def _mma(a, b, DOT: tl.constexpr):  # DOT 0: float32 operands, exact products; 1, 2: bf16 / fp16 operands
+    if DOT == 0:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b, out_dtype=tl.float32)
+    return c
+
+
+@triton.jit
+def _operand(x, DOT: tl.constexpr):  # float32 -> the MMA operand type
+    if DOT == 1:
+        y = x.to(tl.bfloat16)
+    elif DOT == 2:
+        y = x.to(tl.float16)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _latent_rows(C8, C32, C16, row, ok, C: tl.constexpr, R: tl.constexpr, PACKED: tl.constexpr,
+                 DECODE: tl.constexpr):
+    """Gather cache rows -> latent [BLOCK_N, C], rope [BLOCK_N, R] float32. C8/C32/C16 are the same
+    cache seen as bytes (or FP8, or the plain dtype), float32 and 16-bit words."""
+    rc, rr = tl.arange(0, C), tl.arange(0, R)
+    if PACKED:
+        W = C + 4 * (C // 128) + 2 * R                                 # bytes per row
+        if DECODE:                                                     # bytes decoded by integer arithmetic
+            kv = _e4m3_decode(tl.load(C8 + row[:, None] * W + rc[None, :], mask=ok[:, None], other=0), False)
+        else:
+            kv = tl.load(C8 + row[:, None] * W + rc[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        scale = tl.load(C32 + row[:, None] * (W // 4) + C // 4 + rc[None, :] // 128, mask=ok[:, None], other=0.0)
+        kv = kv * scale                                                # exact: power-of-two scales
+        pe = tl.load(C16 + row[:, None] * (W // 2) + (C + 4 * (C // 128)) // 2 + rr[None, :], mask=ok[:, None],
+                     other=0.0).to(tl.float32)
+    else:
+        kv = tl.load(C8 + row[:, None] * (C + R) + rc[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        pe = tl.load(C8 + row[:, None] * (C + R) + C + rr[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    return kv, pe
+
+
+@triton.jit
+def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, SPLIT, qk_scale,
+                       C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PACKED: tl.constexpr, DENSE: tl.constexpr, DOT: tl.constexpr, DECODE: tl.constexpr):
+    """Reference: attention.mqa_absorbed_ref's softmax(scale * (q^C W^UK . c + q^R . k^R)) c over the
+    selected s. One program per (query token, block of heads, split of the selected set): gather the
+    selected rows [BLOCK_N, C + R] by index (DENSE: walk the causal positions instead), scores in two
+    MMAs (latent part, rope part), online softmax in base 2 (running max m, sum l), the same gathered
+    latent rows as values; writes the split's normalised output and its log2-sum-exp."""
+    bt, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, t = bt // T, bt % T
+    last = tl.load(POS) + t                                            # the query's position
+    rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = rh < H
+    rc, rr = tl.arange(0, C), tl.arange(0, R)
+    head = bt.to(tl.int64) * H + rh
+    qa = _operand(tl.load(QA + head[:, None] * C + rc[None, :], mask=hm[:, None], other=0.0).to(tl.float32), DOT)
+    qp = _operand(tl.load(QPE + head[:, None] * R + rr[None, :], mask=hm[:, None], other=0.0).to(tl.float32), DOT)
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, C), tl.float32)
+    lo = sp * SPLIT
+    if DENSE:
+        hi = tl.minimum(lo + SPLIT, last + 1)
+    else:
+        hi = tl.minimum(lo + SPLIT, KSEL)
+    for n0 in range(lo, hi, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        if DENSE:
+            s = rn
+            ok = rn < hi
+        else:
+            s = tl.load(IDX + bt.to(tl.int64) * KSEL + rn, mask=rn < hi, other=-1)   # selected positions (-1: none)
+            ok = s >= 0
+        if tl.max(ok.to(tl.int32), axis=0) > 0:                        # a block of -1 padding: nothing to do
+            row = b.to(tl.int64) * L + tl.where(ok, s, 0)
+            kv, pe = _latent_rows(C8, C32, C16, row, ok, C, R, PACKED, DECODE)
+            kv, pe = _operand(kv, DOT), _operand(pe, DOT)
+            z = _mma(qa, tl.trans(kv), DOT) + _mma(qp, tl.trans(pe), DOT)   # [BLOCK_H, BLOCK_N]
+            z = tl.where(ok[None, :], z * qk_scale, float("-inf"))     # qk_scale = softmax scale * log2(e)
+            m_new = tl.maximum(m, tl.max(z, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # nothing valid yet: no NaN
+            p = tl.exp2(z - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _mma(_operand(p, DOT), kv, DOT)   # the latent rows are the values
+            m = m_new
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+    part = (bt.to(tl.int64) * tl.num_programs(2) + sp) * H + rh
+    tl.store(O + part[:, None] * C + rc[None, :], o.to(O.dtype.element_ty), mask=hm[:, None])
+    tl.store(LSE + part, lse, mask=hm)
+
+
+def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, block_h, block_n, num_warps,
+                num_stages, decode):
+    B, T, H, C = qa.shape
+    R, L = q_pe.shape[-1], cache.shape[1]
+    packed = cache.dtype == torch.uint8
+    width = latent_width(C, R) if packed else C + R
+    if q_pe.shape[:3] != (B, T, H) or cache.shape[0] < B or cache.shape[2] != width:
+        raise ValueError(f"sparse_mla: qa {tuple(qa.shape)}, q_pe {tuple(q_pe.shape)}, cache {tuple(cache.shape)} "
+                         f"{cache.dtype} (rows of {width}) do not fit")
+    if packed and C % 128:
+        raise ValueError(f"sparse_mla: a packed FP8 cache needs the latent width ({C}) in 128-value groups")
+    if idx is not None and (idx.shape[:2] != (B, T) or idx.dim() != 3):
+        raise ValueError(f"sparse_mla: idx {tuple(idx.shape)} is not [B, T, K] for B={B}, T={T}")
+    cache = cache.contiguous()
+    if packed:
+        c8 = cache if decode else cache.view(FP8)
+        c32, c16 = cache.view(torch.float32), cache.view(torch.bfloat16)
+    else:
+        c8 = c32 = c16 = cache
+    dot = 0 if cache.dtype == torch.float32 else (2 if _interpreted() else 1)   # the interpreter's bf16 dot is wrong
+    dense = idx is None
+    ksel = S if dense else idx.shape[-1]
+    idx = cache if dense else idx.to(torch.int32).contiguous()       # DENSE: IDX unused
+    block_h = block_h or max(16, min(64, triton.next_power_of_2(H)))
+    hb = triton.cdiv(H, block_h)
+    if splits is None:                                 # fill the GPU, with at least 128 entries per split
+        splits = max(1, min(triton.cdiv(ksel, 128), triton.cdiv(264, B * T * hb), 1 << 20 if dense else 16))
+    per = triton.cdiv(triton.cdiv(ksel, splits), block_n) * block_n
+    splits = triton.cdiv(ksel, per)
+    o = torch.empty(B * T, splits, H, C, dtype=out_dtype if splits == 1 else torch.float32, device=qa.device)
+    lse = torch.empty(B * T, splits, H, dtype=torch.float32, device=qa.device)
+    _sparse_mla_kernel[(B * T, hb, splits)](
+        qa.contiguous(), q_pe.contiguous(), c8, c32, c16, idx, _pos_tensor(start_pos, qa.device), o, lse,
+        T, H, ksel, L, per, scale * 1.4426950408889634, C=C, R=R, BLOCK_H=block_h, BLOCK_N=block_n,
+        PACKED=packed, DENSE=dense, DOT=dot, DECODE=decode, num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:                                     # combine the splits by their log-sum-exp
+        w = torch.softmax(lse * 0.6931471805599453, dim=1).nan_to_num(0.0)     # all -inf (no keys): 0
+        o = (o * w[..., None]).sum(1, keepdim=True).to(out_dtype)
+        lse = torch.logsumexp(lse * 0.6931471805599453, dim=1, keepdim=True) * 1.4426950408889634
+    return o.reshape(B, T, H, C), lse.reshape(B, T, H)
+
+
+def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=None, out_dtype=torch.float32,
+                      block_h=None, block_n=32, num_warps=8, num_stages=2, decode=False):
+    """qa [B, T, H, C] (the query absorbed into the latent space, q^C W^UK), q_pe [B, T, H, R], cache
+    [>=B, L, W] one row per token (packed FP8 uint8 rows of latent_width(C, R) bytes, or bf16 / float32
+    [C + R]), idx [B, T, K] selected positions (-1: none) or None (dense: every position <= start_pos + t,
+    S bounding the walk) -> (o [B, T, H, C] = softmax_s(scale * scores) c_s, lse [B, T, H] base 2).
+    For a few query tokens: the selected set is split so one sequence fills the GPU, and the splits
+    are combined by their log-sum-exp."""
+    return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], splits,
+                       out_dtype, block_h, block_n, num_warps, num_stages, decode)
+
+
+def sparse_mla_prefill(qa, q_pe, cache, idx, scale, start_pos, S=None, out_dtype=torch.bfloat16,
+                       block_h=None, block_n=32, num_warps=8, num_stages=2, decode=False):
+    """sparse_mla_decode's arguments for a chunk of many queries: one program per (query, block of
+    heads) over its whole selected set, the output written directly in out_dtype (no combine)."""
+    return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], 1,
+                       out_dtype, block_h, block_n, num_warps, num_stages, decode)
