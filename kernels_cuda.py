@@ -290,7 +290,7 @@ def _index_scores_kernel(Q, W, K, KS, OUT, POS, T, S, J, SPLIT,
         tl.store(out + rn[None, :], tl.full((BQ, BLOCK_N), float("-inf"), tl.float32), mask=row_ok & (rn < hi)[None, :])
 
 
-def index_scores(q, w, k, k_scale, start_pos, block_n=128, num_warps=8, num_stages=3, programs=264,
+def index_scores(q, w, k, k_scale, start_pos, block_n=64, num_warps=4, num_stages=3, programs=264, bq=None,
                  decode=False, fnuz=False):
     """q [B, T, J, D] (FP8 or float32), w [B, T, J] f32, k [B, S, D] (q's dtype), k_scale [B, S] f32,
     start_pos (int or device tensor) -> [B, T, S] f32 scores, -inf at keys after each query's position
@@ -308,7 +308,7 @@ def index_scores(q, w, k, k_scale, start_pos, block_n=128, num_warps=8, num_stag
         q, k = q.view(torch.uint8), k.view(torch.uint8)
     out = torch.empty(B, T, S, dtype=torch.float32, device=q.device)
     jp = triton.next_power_of_2(J)
-    bq = max(16 // jp, min(max(128 // jp, 1), triton.next_power_of_2(T)), 1)   # BQ * JP rows: 16..128
+    bq = bq or max(16 // jp, min(max(128 // jp, 1), triton.next_power_of_2(T)), 1)   # BQ * JP rows: 16..128
     nq, nblocks = triton.cdiv(T, bq), triton.cdiv(S, block_n)
     splits = max(1, min(nblocks, triton.cdiv(programs, B * nq)))
     split = triton.cdiv(nblocks, splits) * block_n
@@ -330,47 +330,71 @@ def _ordered_key(x):  # fp32 -> int64 in [0, 2^32) whose order is the float orde
 
 
 @triton.jit
-def _topk_kernel(SCORES, OUT, POS, T, S, K, BLOCK: tl.constexpr):
-    """Reference: indexer.topk_select_ref (as indices). One program per query row: the K-th largest
-    key among the causal ones is found one 8-bit digit at a time (four passes, a 256-bin histogram
-    each, over the keys whose higher digits match so far), then every key above it and the
-    lowest-indexed keys equal to it (ties toward the lower index) are written out, in index order;
-    the row is padded with -1 when it has fewer than K causal keys."""
+def _topk_kernel(SCORES, OUT, CAND, POS, T, S, K, CAP, BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
+    """Reference: indexer.topk_select_ref (as indices). One program per query row.
+    1. Long rows: a threshold from a strided sample of SAMPLE scores (a rank safely above the k-th
+       largest's expected place), then one pass that lists the keys at or above it, in index order,
+       in CAND. When at least K and at most CAP keys made the list (almost always), the rest works on
+       the list; otherwise on the whole row, so the result is exact either way.
+    2. Radix select: the K-th largest key is found one 8-bit digit at a time (four 256-bin histograms
+       over the keys whose higher digits match so far).
+    3. Every key above it and the lowest-indexed keys equal to it (ties toward the lower index) are
+       written out in index order; the row is padded with -1 when it has fewer than K causal keys."""
     row = tl.program_id(0)
     t = row % T
     n = tl.minimum(tl.load(POS) + t + 1, S)                            # causal keys of this query
     kk = tl.minimum(K, n)
     src = SCORES + row.to(tl.int64) * S
     dst = OUT + row.to(tl.int64) * K
+    cand = CAND + row.to(tl.int64) * CAP
+    m = n                                                              # keys to select from: the row...
+    listed = tl.zeros((), tl.int32)                                    # 1: work on the list
+    if n >= 2 * SAMPLE:                                                # 1. ...or the list above a sampled threshold
+        rs = tl.arange(0, SAMPLE)
+        u = tl.sort(_ordered_key(tl.load(src + rs.to(tl.int64) * (n // SAMPLE))), descending=True)
+        want = kk.to(tl.float32) * SAMPLE / n.to(tl.float32)           # the k-th largest's expected sample rank
+        r = tl.minimum((want + 4.0 * tl.sqrt(want) + 8.0).to(tl.int32), SAMPLE - 1)
+        tau = tl.max(tl.where(rs == r, u, 0), axis=0)
+        cnt = tl.zeros((), tl.int32)
+        for s0 in range(0, n, BLOCK):
+            rb = s0 + tl.arange(0, BLOCK)
+            sel = (rb < n) & (_ordered_key(tl.load(src + rb, mask=rb < n, other=0.0)) >= tau)
+            at = cnt + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(cand + at, rb, mask=sel & (at < CAP))
+            cnt += tl.sum(sel.to(tl.int32), axis=0)
+        listed = ((cnt >= kk) & (cnt <= CAP)).to(tl.int32)
+        m = tl.where(listed > 0, cnt, n)
     bins = tl.arange(0, 256)
     prefix = tl.zeros((), tl.int64)
     hi_mask = tl.zeros((), tl.int64)
     need = kk.to(tl.int32)
-    for p in range(4):                                                 # radix select, most significant digit first
+    for p in range(4):                                                 # 2. radix select, most significant digit first
         shift = 24 - 8 * p
         hist = tl.zeros((256,), tl.int32)
-        for s0 in range(0, n, BLOCK):
-            rs = s0 + tl.arange(0, BLOCK)
-            u = _ordered_key(tl.load(src + rs, mask=rs < n, other=0.0))
-            cand = (rs < n) & ((u & hi_mask) == prefix)
-            hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=cand)
+        for s0 in range(0, m, BLOCK):
+            rb = s0 + tl.arange(0, BLOCK)
+            at = tl.where(listed > 0, tl.load(cand + rb, mask=rb < m * listed, other=0), rb)
+            u = _ordered_key(tl.load(src + at, mask=rb < m, other=0.0))
+            ok = (rb < m) & ((u & hi_mask) == prefix)
+            hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=ok)
         above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)         # keys in higher buckets
         b = tl.max(tl.where(above + hist >= need, bins, -1), axis=0)   # the bucket holding the need-th largest
         need -= tl.sum(tl.where(bins > b, hist, 0), axis=0)
         prefix |= b.to(tl.int64) << shift
         hi_mask |= 0xFF << shift
-    # prefix is now the K-th largest key: take all keys above it and the first `need` equal to it
+    # 3. prefix is now the K-th largest key: take all keys above it and the first `need` equal to it
     base = tl.zeros((), tl.int32)
     taken_eq = tl.zeros((), tl.int32)
-    for s0 in range(0, n, BLOCK):
-        rs = s0 + tl.arange(0, BLOCK)
-        ok = rs < n
-        u = _ordered_key(tl.load(src + rs, mask=ok, other=0.0))
+    for s0 in range(0, m, BLOCK):
+        rb = s0 + tl.arange(0, BLOCK)
+        ok = rb < m
+        at = tl.where(listed > 0, tl.load(cand + rb, mask=rb < m * listed, other=0), rb)
+        u = _ordered_key(tl.load(src + at, mask=ok, other=0.0))
         eq = ok & (u == prefix)
         eq_rank = taken_eq + tl.cumsum(eq.to(tl.int32), axis=0)        # 1-based rank among equal keys, in index order
         sel = (ok & (u > prefix)) | (eq & (eq_rank <= need))
         pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(dst + pos, rs, mask=sel)
+        tl.store(dst + pos, at, mask=sel)
         base += tl.sum(sel.to(tl.int32), axis=0)
         taken_eq += tl.sum(eq.to(tl.int32), axis=0)
     for s0 in range(0, K, BLOCK):                                      # pad the rest with -1
@@ -378,13 +402,16 @@ def _topk_kernel(SCORES, OUT, POS, T, S, K, BLOCK: tl.constexpr):
         tl.store(dst + rk, tl.full((BLOCK,), -1, tl.int32), mask=(rk >= kk) & (rk < K))
 
 
-def topk_indices(scores, K, start_pos, block=2048, num_warps=8):
+def topk_indices(scores, K, start_pos, block=2048, num_warps=8, sample=2048, cap=None):
     """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
-    causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K."""
+    causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K.
+    Rows of at least 2 * sample keys first list the keys above a sampled threshold (at most cap)."""
     B, T, S = scores.shape
     out = torch.empty(B, T, K, dtype=torch.int32, device=scores.device)
-    _topk_kernel[(B * T,)](scores.float().contiguous(), out, _pos_tensor(start_pos, scores.device), T, S, K,
-                           BLOCK=block, num_warps=num_warps)
+    cap = cap or 4 * K + 1024                                          # room for the sampled threshold's list
+    cand = torch.empty(B * T, cap, dtype=torch.int32, device=scores.device)
+    _topk_kernel[(B * T,)](scores.float().contiguous(), out, cand, _pos_tensor(start_pos, scores.device), T, S, K,
+                           cap, BLOCK=block, SAMPLE=sample, num_warps=num_warps)
     return out
 
 
@@ -408,64 +435,86 @@ def _mma(a, b, DOT: tl.constexpr):  # DOT 0: float32 operands, exact products; 1
 
 
 @triton.jit
-def _operand(x, DOT: tl.constexpr):  # float32 -> the MMA operand type
+def _operand(x, DOT: tl.constexpr):  # a loaded value -> the MMA operand type (via fp32 where bf16 is not native)
     if DOT == 1:
         y = x.to(tl.bfloat16)
-    elif DOT == 2:
-        y = x.to(tl.float16)
+    elif DOT == 2:                                                     # interpreter: no bf16 arithmetic
+        y = x.to(tl.float32).to(tl.float16)
     else:
-        y = x
+        y = x.to(tl.float32)
     return y
 
 
 @triton.jit
-def _latent_rows(C8, C32, C16, row, ok, C: tl.constexpr, R: tl.constexpr, PACKED: tl.constexpr,
-                 DECODE: tl.constexpr):
-    """Gather cache rows -> latent [BLOCK_N, C], rope [BLOCK_N, R] float32. C8/C32/C16 are the same
-    cache seen as bytes (or FP8, or the plain dtype), float32 and 16-bit words."""
-    rc, rr = tl.arange(0, C), tl.arange(0, R)
+def _latent_half(C8, C32, row, ok, h, C: tl.constexpr, R: tl.constexpr, GW: tl.constexpr, PACKED: tl.constexpr,
+                 DECODE: tl.constexpr, DOT: tl.constexpr):
+    """Gather half h of the latent of cache rows -> [BLOCK_N, C/2] MMA operands. Packed rows: e4m3
+    codes times their group's scale (GW = the 128-value group, or the half if smaller), exact in
+    bf16; C8 is the cache as FP8 (bytes when DECODE), C32 as float32 words. Plain rows: as stored."""
+    CH: tl.constexpr = C // 2
+    rc = h * CH + tl.arange(0, CH)
     if PACKED:
-        W = C + 4 * (C // 128) + 2 * R                                 # bytes per row
+        W: tl.constexpr = C + 4 * (C // 128) + 2 * R                   # bytes per row
+        at = C8 + row[:, None] * W + rc[None, :]
         if DECODE:                                                     # bytes decoded by integer arithmetic
-            kv = _e4m3_decode(tl.load(C8 + row[:, None] * W + rc[None, :], mask=ok[:, None], other=0), False)
+            codes = _e4m3_decode(tl.load(at, mask=ok[:, None], other=0), False)
         else:
-            kv = tl.load(C8 + row[:, None] * W + rc[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        scale = tl.load(C32 + row[:, None] * (W // 4) + C // 4 + rc[None, :] // 128, mask=ok[:, None], other=0.0)
-        kv = kv * scale                                                # exact: power-of-two scales
-        pe = tl.load(C16 + row[:, None] * (W // 2) + (C + 4 * (C // 128)) // 2 + rr[None, :], mask=ok[:, None],
-                     other=0.0).to(tl.float32)
+            codes = tl.load(at, mask=ok[:, None], other=0.0)
+        g = (h * CH) // 128 + tl.arange(0, CH // GW)                   # this half's scale groups
+        scale = tl.load(C32 + row[:, None, None] * (W // 4) + C // 4 + g[None, :, None], mask=ok[:, None, None], other=0.0)
+        if DOT == 1:                                                   # bf16 product: exact (power-of-two scale)
+            kv = tl.reshape(tl.reshape(codes.to(tl.bfloat16), (row.shape[0], CH // GW, GW)) * scale.to(tl.bfloat16),
+                            (row.shape[0], CH))
+        else:
+            kv = _operand(tl.reshape(tl.reshape(codes.to(tl.float32), (row.shape[0], CH // GW, GW)) * scale,
+                                     (row.shape[0], CH)), DOT)
     else:
-        kv = tl.load(C8 + row[:, None] * (C + R) + rc[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        pe = tl.load(C8 + row[:, None] * (C + R) + C + rr[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    return kv, pe
+        kv = _operand(tl.load(C8 + row[:, None] * (C + R) + rc[None, :], mask=ok[:, None], other=0.0), DOT)
+    return kv
+
+
+@triton.jit
+def _rope_rows(C16, row, ok, C: tl.constexpr, R: tl.constexpr, PACKED: tl.constexpr, DOT: tl.constexpr):
+    """Gather the rope part of cache rows -> [BLOCK_N, R] MMA operands (C16: the cache as 16-bit words,
+    or the plain cache)."""
+    rr = tl.arange(0, R)
+    if PACKED:
+        W: tl.constexpr = C + 4 * (C // 128) + 2 * R
+        pe = tl.load(C16 + row[:, None] * (W // 2) + (C + 4 * (C // 128)) // 2 + rr[None, :], mask=ok[:, None], other=0.0)
+    else:
+        pe = tl.load(C16 + row[:, None] * (C + R) + C + rr[None, :], mask=ok[:, None], other=0.0)
+    return _operand(pe, DOT)
 
 
 @triton.jit
 def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, SPLIT, qk_scale,
-                       C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       C: tl.constexpr, R: tl.constexpr, GW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        PACKED: tl.constexpr, DENSE: tl.constexpr, DOT: tl.constexpr, DECODE: tl.constexpr):
     """Reference: attention.mqa_absorbed_ref's softmax(scale * (q^C W^UK . c + q^R . k^R)) c over the
     selected s. One program per (query token, block of heads, split of the selected set): gather the
-    selected rows [BLOCK_N, C + R] by index (DENSE: walk the causal positions instead), scores in two
-    MMAs (latent part, rope part), online softmax in base 2 (running max m, sum l), the same gathered
-    latent rows as values; writes the split's normalised output and its log2-sum-exp."""
+    selected rows by index (DENSE: walk the causal positions instead), scores in three MMAs (the two
+    latent halves, the rope part), online softmax in base 2 (running max m, sum l), the same gathered
+    latent halves as the values; writes the split's normalised output and its log2-sum-exp.
+    The latent is handled in two halves, each with its own accumulator, to keep tiles small."""
     bt, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, t = bt // T, bt % T
     last = tl.load(POS) + t                                            # the query's position
+    CH: tl.constexpr = C // 2
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = rh < H
-    rc, rr = tl.arange(0, C), tl.arange(0, R)
+    rc, rr = tl.arange(0, CH), tl.arange(0, R)
     head = bt.to(tl.int64) * H + rh
-    qa = _operand(tl.load(QA + head[:, None] * C + rc[None, :], mask=hm[:, None], other=0.0).to(tl.float32), DOT)
-    qp = _operand(tl.load(QPE + head[:, None] * R + rr[None, :], mask=hm[:, None], other=0.0).to(tl.float32), DOT)
+    qa0 = _operand(tl.load(QA + head[:, None] * C + rc[None, :], mask=hm[:, None], other=0.0), DOT)
+    qa1 = _operand(tl.load(QA + head[:, None] * C + CH + rc[None, :], mask=hm[:, None], other=0.0), DOT)
+    qp = _operand(tl.load(QPE + head[:, None] * R + rr[None, :], mask=hm[:, None], other=0.0), DOT)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, C), tl.float32)
+    acc0 = tl.zeros((BLOCK_H, CH), tl.float32)
+    acc1 = tl.zeros((BLOCK_H, CH), tl.float32)
     lo = sp * SPLIT
-    if DENSE:
-        hi = tl.minimum(lo + SPLIT, last + 1)
-    else:
-        hi = tl.minimum(lo + SPLIT, KSEL)
+    hi = tl.minimum(lo + SPLIT, last + 1)                              # at most position + 1 causal entries
+    if not DENSE:
+        hi = tl.minimum(hi, KSEL)
     for n0 in range(lo, hi, BLOCK_N):
         rn = n0 + tl.arange(0, BLOCK_N)
         if DENSE:
@@ -474,23 +523,26 @@ def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, S
         else:
             s = tl.load(IDX + bt.to(tl.int64) * KSEL + rn, mask=rn < hi, other=-1)   # selected positions (-1: none)
             ok = s >= 0
-        if tl.max(ok.to(tl.int32), axis=0) > 0:                        # a block of -1 padding: nothing to do
-            row = b.to(tl.int64) * L + tl.where(ok, s, 0)
-            kv, pe = _latent_rows(C8, C32, C16, row, ok, C, R, PACKED, DECODE)
-            kv, pe = _operand(kv, DOT), _operand(pe, DOT)
-            z = _mma(qa, tl.trans(kv), DOT) + _mma(qp, tl.trans(pe), DOT)   # [BLOCK_H, BLOCK_N]
-            z = tl.where(ok[None, :], z * qk_scale, float("-inf"))     # qk_scale = softmax scale * log2(e)
-            m_new = tl.maximum(m, tl.max(z, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # nothing valid yet: no NaN
-            p = tl.exp2(z - m_safe[:, None])
-            alpha = tl.exp2(m - m_safe)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _mma(_operand(p, DOT), kv, DOT)   # the latent rows are the values
-            m = m_new
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+        row = b.to(tl.int64) * L + tl.where(ok, s, 0)
+        kv0 = _latent_half(C8, C32, row, ok, 0, C, R, GW, PACKED, DECODE, DOT)
+        kv1 = _latent_half(C8, C32, row, ok, 1, C, R, GW, PACKED, DECODE, DOT)
+        pe = _rope_rows(C16, row, ok, C, R, PACKED, DOT)
+        z = _mma(qa0, tl.trans(kv0), DOT) + _mma(qa1, tl.trans(kv1), DOT) + _mma(qp, tl.trans(pe), DOT)
+        z = tl.where(ok[None, :], z * qk_scale, float("-inf"))         # qk_scale = softmax scale * log2(e)
+        m_new = tl.maximum(m, tl.max(z, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # nothing valid yet: no NaN
+        p = tl.exp2(z - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        pd = _operand(p, DOT)
+        acc0 = acc0 * alpha[:, None] + _mma(pd, kv0, DOT)              # the latent rows are the values
+        acc1 = acc1 * alpha[:, None] + _mma(pd, kv1, DOT)
+        m = m_new
+    inv = 1.0 / tl.where(l > 0, l, 1.0)
     lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
     part = (bt.to(tl.int64) * tl.num_programs(2) + sp) * H + rh
-    tl.store(O + part[:, None] * C + rc[None, :], o.to(O.dtype.element_ty), mask=hm[:, None])
+    tl.store(O + part[:, None] * C + rc[None, :], (acc0 * inv[:, None]).to(O.dtype.element_ty), mask=hm[:, None])
+    tl.store(O + part[:, None] * C + CH + rc[None, :], (acc1 * inv[:, None]).to(O.dtype.element_ty), mask=hm[:, None])
     tl.store(LSE + part, lse, mask=hm)
 
 
@@ -505,6 +557,8 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
                          f"{cache.dtype} (rows of {width}) do not fit")
     if packed and C % 128:
         raise ValueError(f"sparse_mla: a packed FP8 cache needs the latent width ({C}) in 128-value groups")
+    if C % 32 or R % 16 or (C // 2) & (C // 2 - 1) or R & (R - 1):
+        raise ValueError(f"sparse_mla: latent {C} and rope {R} widths must be powers of two (C >= 32, R >= 16)")
     if idx is not None and (idx.shape[:2] != (B, T) or idx.dim() != 3):
         raise ValueError(f"sparse_mla: idx {tuple(idx.shape)} is not [B, T, K] for B={B}, T={T}")
     cache = cache.contiguous()
@@ -527,7 +581,7 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
     lse = torch.empty(B * T, splits, H, dtype=torch.float32, device=qa.device)
     _sparse_mla_kernel[(B * T, hb, splits)](
         qa.contiguous(), q_pe.contiguous(), c8, c32, c16, idx, _pos_tensor(start_pos, qa.device), o, lse,
-        T, H, ksel, L, per, scale * 1.4426950408889634, C=C, R=R, BLOCK_H=block_h, BLOCK_N=block_n,
+        T, H, ksel, L, per, scale * 1.4426950408889634, C=C, R=R, GW=min(128, C // 2), BLOCK_H=block_h, BLOCK_N=block_n,
         PACKED=packed, DENSE=dense, DOT=dot, DECODE=decode, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:                                     # combine the splits by their log-sum-exp
         w = torch.softmax(lse * 0.6931471805599453, dim=1).nan_to_num(0.0)     # all -inf (no keys): 0
@@ -540,8 +594,10 @@ def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=Non
                       block_h=None, block_n=32, num_warps=8, num_stages=2, decode=False):
     """qa [B, T, H, C] (the query absorbed into the latent space, q^C W^UK), q_pe [B, T, H, R], cache
     [>=B, L, W] one row per token (packed FP8 uint8 rows of latent_width(C, R) bytes, or bf16 / float32
-    [C + R]), idx [B, T, K] selected positions (-1: none) or None (dense: every position <= start_pos + t,
-    S bounding the walk) -> (o [B, T, H, C] = softmax_s(scale * scores) c_s, lse [B, T, H] base 2).
+    [C + R]), idx [B, T, K] selected positions or None (dense: every position <= start_pos + t, S
+    bounding the walk) -> (o [B, T, H, C] = softmax_s(scale * scores) c_s, lse [B, T, H] base 2).
+    idx rows are topk_indices's: causal positions (<= start_pos + t) first, then -1, so a query reads
+    at most start_pos + t + 1 entries. A query with nothing selected gets o = 0, lse = -inf.
     For a few query tokens: the selected set is split so one sequence fills the GPU, and the splits
     are combined by their log-sum-exp."""
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], splits,

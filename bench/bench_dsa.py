@@ -1,15 +1,25 @@
-"""The DSA kernels of kernels_cuda.py against PyTorch baselines run in the same process, on one GPU.
+"""The DSA kernels of kernels_cuda.py on the shapes of spec/kernels.md §6-7, against PyTorch baselines
+run in the same process, on one GPU, with the measured rooflines.
 
-    indexer scores   q [T, 64, 128] FP8, keys [S, 128] FP8 -> [T, S]; counted as 2 * valid pairs * 64 * 128
-                     FLOPs (DeepGEMM's count); baseline: bf16 einsum + ReLU + weighted sum over heads
-    sparse MLA       decode, 128 heads, top-k 2048 of a context L; counted as 2 * 128 * 2048 * (576 + 512)
-    decode           FLOPs per token (FlashMLA's count); baseline: the dense absorbed attention in torch
+    indexer prefill   4096 queries at the end of an 8K / 32K / 64K causal context, 64 heads x 128, FP8;
+                      FLOPs = 2 * valid pairs * 64 * 128 (DeepGEMM's count); baseline: bf16 einsum +
+                      ReLU + weighted sum over heads, in 256-query chunks, no causal skip
+    indexer decode    B rows of one query against their own L keys; bytes = B L (128 + 4) + 4 B L out;
+                      baseline: the same in torch (bf16 matmul)
+    top-k 2048        decode rows (B x L) and prefill rows (8192 causal rows of a 64K context); bytes = the
+                      fp32 scores read once; baseline: torch.topk
+    sparse MLA        decode over the packed FP8 656-byte cache (and bf16) and prefill over a bf16 cache,
+                      128 heads, top-2048; FLOPs = 2 * 128 * valid selections * (576 + 512) (FlashMLA's
+                      count); baselines: the dense absorbed attention in torch (decode), gather + bmm per
+                      128-query chunk (prefill)
 
-Shapes follow spec/kernels.md §6. The L2 is flushed before every timed call; selected indices are
-random and distinct. `--smoke` runs tiny shapes (on the CPU under TRITON_INTERPRET=1: the timings
-mean nothing there, it only checks that the script runs).
+Each sequence has its own cache and the selected indices are random and distinct, the L2 is flushed
+before every timed call (bench_gemm.timed). The first shape of each kernel sweeps a few tile
+configurations and the rest use the best. `--smoke` runs tiny shapes (on the CPU under
+TRITON_INTERPRET=1 the timings mean nothing: it only checks that the script runs).
 
-    python bench/bench_dsa.py [--out DIR] [--smoke]
+    python bench/bench_dsa.py [--out DIR] [--smoke]      (writes DIR/dsa.json, prints the table)
+    python bench/bench_dsa.py --render FILE.json          (the table of a stored run)
 """
 import argparse
 import json
@@ -21,20 +31,56 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+IDX_CONFIGS = [dict(bq=bq, block_n=n, num_warps=w, num_stages=st) for bq, n, w, st in
+               [(2, 64, 4, 3), (2, 64, 4, 4), (2, 128, 8, 3), (2, 32, 4, 4), (4, 64, 8, 3), (4, 32, 8, 4), (4, 64, 8, 4),
+                (1, 128, 4, 4), (2, 64, 8, 3)]]
+IDX_DECODE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n, w, st in
+                      [(64, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 3), (64, 4, 5), (256, 4, 3)]]
+TOPK_CONFIGS = [dict(block=b, num_warps=w) for b, w in [(2048, 8), (1024, 4), (4096, 16), (2048, 16), (1024, 8)]]
+MLA_CONFIGS = [dict(block_h=h, block_n=n, num_warps=w, num_stages=st) for h, n, w, st in
+               [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (32, 64, 8, 2), (16, 64, 4, 2), (64, 32, 4, 2),
+                (64, 64, 8, 1), (16, 32, 4, 3)]]
+
+
+def render(meta, rows):
+    roof = meta["roofline"]
+    out = [f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; measured roofline: FP8 "
+           f"{roof['fp8_tflops']:.0f} TFLOP/s, bf16 {roof['bf16_tflops']:.0f} TFLOP/s, copy {roof['copy_gbs']:.0f} GB/s", "",
+           "| kernel | shape | us | TFLOP/s | TB/s | of roofline | PyTorch baseline us | speed-up | config |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        us = 1e3 * r["ms"]
+        tf = r.get("flops", 0) / r["ms"] / 1e9
+        tb = r.get("bytes", 0) / r["ms"] / 1e9
+        peak = roof["fp8_tflops"] if r.get("fp8") else roof["bf16_tflops"]
+        of = max(tf / peak, tb / (roof["copy_gbs"] / 1e3))
+        base = f"{1e3 * r['baseline_ms']:.1f}" if r.get("baseline_ms") else "-"
+        speed = f"{r['baseline_ms'] / r['ms']:.1f}x" if r.get("baseline_ms") else "-"
+        cfg = ", ".join(f"{k}={v}" for k, v in r.get("config", {}).items())
+        out.append(f"| {r['kernel']} | {r['shape']} | {us:.1f} | {tf:.0f} | {tb:.2f} | {of:.2f} | {base} | {speed} | {cfg} |")
+    return "\n".join(out)
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for dsa.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU interpreter)")
+    ap.add_argument("--render", help="print the table of a stored dsa.json")
     a = ap.parse_args()
+    if a.render:
+        d = json.loads(Path(a.render).read_text())
+        print(render(d["meta"], d["rows"]))
+        return
     import torch
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton
     import bench_gemm
     import kernels_cuda
     bench_gemm._imports()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=dev).manual_seed(0)
+    smoke = a.smoke
 
     def timed(fn):  # median CUDA-event time with the L2 flushed (bench_gemm's); on the CPU one plain call
         if dev == "cuda":
@@ -43,44 +89,126 @@ def main():
         fn()
         return (time.perf_counter() - t) * 1e3
 
-    rows = []
-    J, D = (64, 128) if not a.smoke else (16, 128)
-    idx_shapes = [(4096, 8192), (4096, 32768), (4096, 65536), (1, 16384), (1, 65536)] if not a.smoke else [(4, 40), (1, 40)]
-    for T, S in idx_shapes:                                        # the last T queries of a causal context S
-        q = torch.randn(1, T, J, D, device=dev, generator=gen).to(torch.float8_e4m3fn)
-        k = torch.randn(1, S, D, device=dev, generator=gen).to(torch.float8_e4m3fn)
-        w = torch.randn(1, T, J, device=dev, generator=gen)
-        ks = torch.ones(1, S, device=dev)
-        t = timed(lambda: kernels_cuda.index_scores(q, w, k, ks, start_pos=S - T))
-        qb, kb = q.to(torch.bfloat16), k.to(torch.bfloat16)
-        tb = timed(lambda: torch.einsum("btjd,bsd->btjs", qb, kb).relu_().float().mul_(w[..., None]).sum(2))
-        pairs = T * S - T * (T - 1) // 2
-        rows.append(dict(kernel="indexer scores", shape=f"T={T} S={S}", ms=t, baseline_ms=tb,
-                         tflops=2 * pairs * J * D / t / 1e9))
-    H, C, R, K = (128, 512, 64, 2048) if not a.smoke else (16, 64, 32, 32)
-    for B, L in ([(1, 16384), (1, 65536), (64, 16384), (128, 65536)] if not a.smoke else [(1, 64), (2, 48)]):
-        qa = torch.randn(B, H, C, device=dev, generator=gen)
-        qp = torch.randn(B, H, R, device=dev, generator=gen)
-        kv = torch.randn(B, L, C, device=dev, generator=gen).to(torch.bfloat16)
-        pe = torch.randn(B, L, R, device=dev, generator=gen).to(torch.bfloat16)
-        idx = torch.stack([torch.randperm(L, device=dev, generator=gen)[:K] for _ in range(B)]).int()
-        t = timed(lambda: kernels_cuda.sparse_mla_decode(qa, qp, kv, pe, idx, 0.1))
+    def best(fn, configs):  # -> (ms, config) of the fastest configuration (only the first one under --smoke)
+        res = []
+        for c in configs[:1] if smoke else configs:
+            try:
+                res.append((timed(lambda: fn(**c)), c))
+            except Exception as e:                                     # out of shared memory / registers
+                print(f"config {c} failed: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
+        return min(res, key=lambda r: r[0])
 
-        def dense():                                                # the dense absorbed attention over all L
-            z = (torch.einsum("bhc,blc->bhl", qa.bfloat16(), kv) + torch.einsum("bhr,blr->bhl", qp.bfloat16(), pe)) * 0.1
-            return torch.einsum("bhl,blc->bhc", torch.softmax(z.float(), -1).bfloat16(), kv)
-        tb = timed(dense)
-        rows.append(dict(kernel="sparse MLA decode", shape=f"B={B} L={L} topk={K}", ms=t, baseline_ms=tb,
-                         tflops=2 * B * H * K * (C + R + C) / t / 1e9))
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=dev, generator=gen).to(dtype)
+
+    rows = []
+    # ---- indexer scores, prefill and decode
+    J, D = (64, 128) if not smoke else (16, 128)
+    f8 = torch.float8_e4m3fn
+    cfg = None
+    for T, S in [(4096, 8192), (4096, 32768), (4096, 65536)] if not smoke else [(8, 40)]:
+        q, k, w, ks = randn(1, T, J, D, dtype=f8), randn(1, S, D, dtype=f8), randn(1, T, J), torch.rand(1, S, device=dev) + 0.5
+        fn = lambda **c: kernels_cuda.index_scores(q, w, k, ks, S - T, **c)
+        ms, cfg = best(fn, IDX_CONFIGS) if cfg is None else (timed(lambda: fn(**cfg)), cfg)
+        qb, kb = q.to(torch.bfloat16), k.to(torch.bfloat16)
+
+        def torch_scores(step=256):
+            for t0 in range(0, T, step):
+                s = torch.einsum("tjd,sd->tjs", qb[0, t0:t0 + step], kb[0]).relu_().float()
+                (s * w[0, t0:t0 + step, :, None]).sum(1) * ks
+        pairs = T * S - T * (T - 1) // 2
+        rows.append(dict(kernel="indexer prefill", shape=f"T={T} S={S}", ms=ms, baseline_ms=timed(torch_scores),
+                         flops=2 * pairs * J * D, fp8=True, config=cfg))
+    cfg = None
+    for B, L in [(64, 65536), (64, 16384), (8, 65536), (1, 65536), (1, 16384)] if not smoke else [(2, 40)]:
+        q, k, w, ks = randn(B, 1, J, D, dtype=f8), randn(B, L, D, dtype=f8), randn(B, 1, J), torch.rand(B, L, device=dev) + 0.5
+        fn = lambda **c: kernels_cuda.index_scores(q, w, k, ks, L - 1, **c)
+        ms, cfg = best(fn, IDX_DECODE_CONFIGS) if cfg is None else (timed(lambda: fn(**cfg)), cfg)
+        qb, kb = q.to(torch.bfloat16), k.to(torch.bfloat16)
+        base = timed(lambda: (torch.einsum("bjd,bsd->bjs", qb[:, 0], kb).relu_().float() * w[:, 0, :, None]).sum(1) * ks)
+        rows.append(dict(kernel="indexer decode", shape=f"B={B} L={L}", ms=ms, baseline_ms=base,
+                         bytes=B * L * (D + 4 + 4), config=cfg))
+
+    # ---- top-k 2048
+    KT = 2048 if not smoke else 8
+    cfg = None
+    for B, L in [(64, 65536), (1, 4096), (1, 16384), (1, 65536), (64, 4096), (64, 16384), (64, 131072)] if not smoke else [(2, 40)]:
+        sc = randn(B, 1, L)
+        fn = lambda **c: kernels_cuda.topk_indices(sc, KT, L - 1, **c)
+        ms, cfg = best(fn, TOPK_CONFIGS) if cfg is None else (timed(lambda: fn(**cfg)), cfg)
+        rows.append(dict(kernel="top-k decode", shape=f"B={B} L={L} k={KT}", ms=ms,
+                         baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1)), bytes=4 * B * L, config=cfg))
+    T, S = (8192, 65536) if not smoke else (8, 40)
+    sc = randn(1, T, S)
+    ms = timed(lambda: kernels_cuda.topk_indices(sc, KT, S - T, **cfg))
+    rows.append(dict(kernel="top-k prefill", shape=f"{T} rows, S={S} causal, k={KT}", ms=ms,
+                     baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1)), bytes=4 * (T * S - T * (T - 1) // 2), config=cfg))
+    del sc
+
+    # ---- sparse MLA decode (packed FP8 and bf16 caches) and prefill (bf16 cache)
+    H, C, R, K = (128, 512, 64, 2048) if not smoke else (16, 128, 64, 16)
+    scale = (C // 4 + R) ** -0.5
+
+    def cache_of(B, L, fmt):  # random latent rows; packed FP8: codes, ue8m0 scales, bf16 rope
+        kv, pe = randn(B * L, C), randn(B * L, R)
+        if fmt == "bf16":
+            return torch.cat([kv, pe], -1).to(torch.bfloat16).reshape(B, L, C + R), kv, pe
+        import backend_torch
+        q8, s = backend_torch.act_quant_torch(kv)
+        rows8 = torch.cat([q8.view(torch.uint8), s.view(torch.uint8), pe.to(torch.bfloat16).view(torch.uint8)], -1)
+        return rows8.reshape(B, L, -1), kv, pe
+
+    def selection(B, T, L, K, causal_end=None):  # distinct random positions per query (sorted)
+        idx = torch.empty(B, T, K, dtype=torch.int32, device=dev)
+        for b in range(B):
+            for t in range(T):
+                n = L if causal_end is None else causal_end + t + 1
+                idx[b, t] = torch.randperm(n, device=dev, generator=gen)[:K].sort().values
+        return idx
+
+    cfg = None
+    for B, L, fmt in [(64, 32768, "fp8"), (128, 32768, "fp8"), (1, 65536, "fp8"), (64, 32768, "bf16"), (1, 65536, "bf16")] \
+            if not smoke else [(2, 40, "fp8")]:
+        cache, kv, pe = cache_of(B, L, fmt)
+        qa, qp = randn(B, 1, H, C, dtype=torch.bfloat16), randn(B, 1, H, R, dtype=torch.bfloat16)
+        idx = selection(B, 1, L, K)
+        fn = lambda **c: kernels_cuda.sparse_mla_decode(qa, qp, cache, idx, scale, L - 1, **c)
+        ms, cfg = best(fn, MLA_CONFIGS) if cfg is None else (timed(lambda: fn(**cfg)), cfg)
+        kvb, peb = kv.reshape(B, L, C).bfloat16(), pe.reshape(B, L, R).bfloat16()
+
+        def dense():  # the dense absorbed attention over all L keys, in torch
+            z = (torch.einsum("bhc,blc->bhl", qa[:, 0], kvb) + torch.einsum("bhr,blr->bhl", qp[:, 0], peb)).float() * scale
+            return torch.einsum("bhl,blc->bhc", torch.softmax(z, -1).bfloat16(), kvb)
+        base = timed(dense) if B * L <= 64 * 32768 else None
+        rows.append(dict(kernel=f"sparse MLA decode ({fmt} cache)", shape=f"B={B} L={L} topk={K}", ms=ms, baseline_ms=base,
+                         flops=2 * B * H * K * (C + R + C), config=cfg))
+        del cache, kv, pe, kvb, peb
+    cfg = None
+    for T, L in [(4096, 16384), (4096, 8192), (4096, 65536), (4096, 4096)] if not smoke else [(8, 40)]:
+        cache, kv, pe = cache_of(1, L, "bf16")
+        qa, qp = randn(1, T, H, C, dtype=torch.bfloat16), randn(1, T, H, R, dtype=torch.bfloat16)
+        Kq = min(K, L - T + 1)
+        idx = selection(1, T, L, Kq, causal_end=L - T)
+        fn = lambda **c: kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx, scale, L - T, **c)
+        ms, cfg = best(fn, MLA_CONFIGS) if cfg is None else (timed(lambda: fn(**cfg)), cfg)
+        rows_bf = cache[0]
+
+        def gathered(step=128):  # gather + bmm per 128-query chunk (spec §7's PyTorch baseline)
+            for t0 in range(0, T, step):
+                g = rows_bf[idx[0, t0:t0 + step].long()]                               # [t, K, C + R]
+                q = torch.cat([qa[0, t0:t0 + step], qp[0, t0:t0 + step]], -1)           # [t, H, C + R]
+                z = torch.bmm(q, g.transpose(1, 2)).float() * scale
+                torch.bmm(torch.softmax(z, -1).bfloat16(), g[..., :C])
+        rows.append(dict(kernel="sparse MLA prefill (bf16 cache)", shape=f"T={T} L={L} topk={Kq}", ms=ms,
+                         baseline_ms=timed(gathered), flops=2 * T * H * Kq * (C + R + C), config=cfg))
+        del cache, kv, pe
+
     meta = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)", torch=torch.__version__,
-                date=time.strftime("%Y-%m-%d"), smoke=a.smoke)
+                triton=triton.__version__, date=time.strftime("%Y-%m-%d"), smoke=smoke,
+                roofline=bench_gemm.rooflines() if dev == "cuda" else dict(fp8_tflops=1, bf16_tflops=1, copy_gbs=1))
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "dsa.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    print(f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}")
-    print("| kernel | shape | us | TFLOP/s | PyTorch baseline us | speed-up |\n|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['kernel']} | {r['shape']} | {1e3 * r['ms']:.1f} | {r['tflops']:.1f} | {1e3 * r['baseline_ms']:.1f} | "
-              f"{r['baseline_ms'] / r['ms']:.2f} |")
+    print(render(meta, rows))
 
 
 if __name__ == "__main__":

@@ -201,4 +201,4 @@ def test_dsa_benchmark_script_runs(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_dsa.py"), "--smoke", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    assert "| sparse MLA decode |" in r.stdout and (tmp_path / "dsa.json").is_file()
+    assert "| sparse MLA decode (fp8 cache) |" in r.stdout and "| sparse MLA prefill (bf16 cache) |" in r.stdout and (tmp_path / "dsa.json").is_file()

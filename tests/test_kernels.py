@@ -213,11 +213,12 @@ def packed_rows(kv, pe):
 def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
     """Decode (splits + combine) and prefill (one pass) against a float64 softmax over the selected
     rows; the packed FP8 rows are built with ml_dtypes, and read by FP8 conversion or (ROCm's path)
-    by integer decoding of the bytes. Selections include -1 padding, whole blocks of it, and L < K."""
+    by integer decoding of the bytes. Selections hold causal positions first, then -1 padding (whole
+    blocks of it, and rows with nothing selected), with contexts shorter than K."""
     rng = np.random.default_rng(seed)
     C, R = 128, 32                                             # small latent for the interpreter (real: 512 + 64)
-    past = int(rng.integers(0, L)) if dense else 0
-    T = min(T, L - past) if dense else T
+    past = int(rng.integers(0, L))                             # the first query's position
+    T = min(T, L - past)
     qa = quant.bf16_round(rng.standard_normal((B, T, H, C))).astype(np.float64)   # bf16 values, as the model's
     qp = quant.bf16_round(rng.standard_normal((B, T, H, R))).astype(np.float64)
     kv, pe = rng.standard_normal((B, L, C)) * 2, rng.standard_normal((B, L, R))
@@ -229,11 +230,11 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
             kv, pe = quant.bf16_round(kv).astype(np.float64), quant.bf16_round(pe).astype(np.float64)
         cache = torch.from_numpy(np.concatenate([kv, pe], -1).astype(np.float32)).to(DEV)
         cache = cache.to(torch.bfloat16) if cache_fmt == "bf16" else cache
-    idx = np.full((B, T, K), -1)
+    idx = np.full((B, T, K), -1)                               # topk_indices's layout: causal entries first, then -1
     for b in range(B):
         for t in range(T):
-            n = int(rng.integers(0, min(K, L) + 1))            # some rows select nothing at all
-            idx[b, t, rng.permutation(K)[:n]] = rng.permutation(L)[:n]
+            n = int(rng.integers(0, min(K, past + t + 1) + 1))  # some rows select nothing at all
+            idx[b, t, :n] = rng.permutation(past + t + 1)[:n]
     scale = 0.1
     tq = [torch.from_numpy(a.astype(np.float32)).to(DEV) for a in (qa, qp)]
     sel_t = None if dense else torch.from_numpy(idx).to(DEV)
@@ -260,12 +261,15 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
             assert np.abs(lse[b, t] - ref_lse).max() <= 1e-3 * max(1, np.abs(ref_lse).max())
 
 
-@settings(max_examples=12)
-@given(st.integers(1, 2), st.integers(1, 4), st.integers(0, 90), st.integers(1, 40), st.sampled_from(["normal", "ties", "equal"]),
-       st.sampled_from([16, 64]), st.integers(0, 2 ** 31))
-def test_topk_kernel(B, T, past, K, values, block, seed):
+@settings(max_examples=16)
+@given(st.integers(1, 2), st.integers(1, 4), st.integers(0, 150), st.integers(1, 40), st.sampled_from(["normal", "ties", "equal"]),
+       st.sampled_from([16, 64]), st.sampled_from([(2048, None), (16, None), (16, 1)]), st.integers(0, 2 ** 31))
+def test_topk_kernel(B, T, past, K, values, block, sample_cap, seed):
     """Exact top-k as sets against topk_select_ref: contexts shorter than k, exactly k (past + t + 1 =
-    K happens), one token; many ties (rounded scores, +0 and -0), a row of one repeated value, -inf."""
+    K happens), one token; many ties (rounded scores, +0 and -0), a row of one repeated value, -inf.
+    A small sample puts rows of >= 32 keys on the sampled-threshold list; a list capacity of 1 forces
+    the fall-back to the whole row there."""
+    sample, cap = sample_cap
     import indexer
     rng = np.random.default_rng(seed)
     S = past + T
@@ -275,7 +279,7 @@ def test_topk_kernel(B, T, past, K, values, block, seed):
     elif values == "equal":
         I[:] = np.float32(rng.standard_normal())                   # every causal key tied
     I[0, 0, 0] = -np.inf                                            # a masked key among the causal ones
-    got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), K, past, block=block).cpu().numpy()
+    got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), K, past, block=block, sample=sample, cap=cap).cpu().numpy()
     want = indexer.topk_select_ref(I, K, past)                      # [B, T, S] bool, ties toward the lower index
     for b in range(B):
         for t in range(T):
