@@ -91,19 +91,26 @@ def mla_forward(x, p, cache, start_pos, S, cos, sin, args, opts):
     kv = ops.linear(x, p["wkv_a"], off)                                            # [B, T, C + R]
     c_kv = ops.rms_norm(kv[..., :C], p["kv_norm"], args.rms_norm_eps, rnd)        # [B, T, C]
     k_pe = rnd(ops.rope_interleaved(kv[:, :, None, C:], cos, sin))[:, :, 0]       # [B, T, R]
-    if off:
-        c_kv = ops.latent_fp8_roundtrip(c_kv)
-    ops.store(cache.kv, start_pos, c_kv, B, T)
-    ops.store(cache.pe, start_pos, k_pe, B, T)
+    fused = getattr(opts, "fused", False)               # the GPU's DSA kernels (backend_torch)
+    if fused:      # one packed row per token: FP8 latent + scales (official; lossless) + rope
+        ops.store_latent(cache.latent, start_pos, c_kv, k_pe, B, T)
+    else:
+        if off:
+            c_kv = ops.latent_fp8_roundtrip(c_kv)
+        ops.store(cache.kv, start_pos, c_kv, B, T)
+        ops.store(cache.pe, start_pos, k_pe, B, T)
 
     # eq. (2): which keys each query may see
     if opts.sparse:
         allowed = indexer.indexer_forward(x, qr, p["indexer"], cache.idx, start_pos, S, cos, sin, args, opts)
         if opts.record is not None:                     # --verify: the selection, layer by layer
-            opts.record.setdefault("selected", []).append(allowed)
+            opts.record.setdefault("selected", []).append(ops.selection_mask(allowed, start_pos, S) if fused else allowed)
     else:  # dense: V3.1-Terminus behaviour on the same weights (the indexer is not run)
-        allowed = ops.causal_mask(B, T, start_pos, S)                              # [B, T, S]
+        allowed = None if fused else ops.causal_mask(B, T, start_pos, S)          # [B, T, S]; None: all causal
 
+    if fused:  # absorbed form for every chunk (as deployed engines), over the selected rows (DESIGN.md)
+        o = ops.latent_attention(q_nope, q_pe, cache.latent, allowed, p, start_pos, S, args, rnd)
+        return ops.linear(o.reshape(B, T, H * V), p["wo"], off)                    # W^O
     kv_all, pe_all = cache.kv[:B, :S], cache.pe[:B, :S]
     if T > 1:  # MHA mode: expand the whole cached latent (chunks after position 0 see the cache too)
         kvb = ops.linear(kv_all, p["wkv_b"], off).reshape(B, S, H, N + V)         # W^UK c, W^UV c

@@ -19,6 +19,7 @@ import torch
 import quant
 
 F8 = torch.float8_e4m3fn
+SCORE_BYTES = 1 << 30       # the indexer's scores of a long prompt are computed in query chunks of this size
 
 
 def kernels_for(device):  # the kernel module of a GPU, or None (CPU; or Triton missing)
@@ -85,10 +86,27 @@ def dequant(W):  # quant.Weight of tensors -> [N, K] float32
     return W.w.float() * s
 
 
-def torch_ops(device, kernels=True):
-    """The op table for one device (see model.NUMPY_OPS for the contracts); kernels=False: plain torch."""
+def latent_width(C, R):  # bytes of one packed FP8 latent row (kernels_cuda.latent_width)
+    return C + 4 * (C // 128) + 2 * R
+
+
+def unpack_latent(rows, C):  # [..., W] latent cache rows -> c^KV [..., C], k^R [..., R] float32
+    if rows.dtype != torch.uint8:
+        return rows[..., :C].float(), rows[..., C:].float()
+    G = C // 128
+    codes = rows[..., :C].contiguous().view(F8).float()
+    scale = rows[..., C:C + 4 * G].contiguous().view(torch.float32)
+    c = (codes.reshape(*codes.shape[:-1], G, 128) * scale[..., None]).reshape(codes.shape)
+    return c, rows[..., C + 4 * G:].contiguous().view(torch.bfloat16).float()
+
+
+def torch_ops(device, kernels=True, dsa=None):
+    """The op table for one device (see model.NUMPY_OPS for the contracts); kernels=False: plain torch.
+    dsa: the module whose DSA kernels to use (default: the GPU's kernel module, when it has them);
+    tests pass kernels_cuda on the CPU to run the model's DSA path in the Triton interpreter."""
     device = torch.device(device)
     kern = kernels_for(device) if kernels else None
+    dsa = dsa or (kern if hasattr(kern, "sparse_mla_decode") else None)
 
     def bf16_round(x):
         return x.float().to(torch.bfloat16).float()
@@ -168,6 +186,81 @@ def torch_ops(device, kernels=True):
         order = torch.sort(-masked, dim=-1, stable=True).indices[..., :min(K, S)]   # ties: lower index first
         sel = torch.zeros(B, T, S, dtype=torch.bool, device=device).scatter_(-1, order, True)
         return sel & c[None]
+
+    fused = dsa is not None                                              # the DSA kernels: indices, packed cache
+
+    def select(q, w, k, k_scale, K, start_pos):  # eqs. (1)-(2): indexer.select_ref; kernels: [B, T, K] indices
+        if not fused:
+            return topk_select(index_scores(q, w, k, k_scale), K, start_pos)
+        B, T, S = q.shape[0], q.shape[1], k.shape[1]
+        rows = max(1, SCORE_BYTES // (4 * B * S))                        # fp32 scores of bounded size at a time
+        if T <= rows:
+            return dsa.topk_indices(dsa.index_scores(q, w, k, k_scale, start_pos), K, start_pos)
+        out = torch.empty(B, T, K, dtype=torch.int32, device=device)
+        for t0 in range(0, T, rows):                                     # long prompts: query chunks
+            t1 = min(T, t0 + rows)
+            I = dsa.index_scores(q[:, t0:t1], w[:, t0:t1], k, k_scale, start_pos + t0)
+            out[:, t0:t1] = dsa.topk_indices(I, K, start_pos + t0)
+        return out
+
+    def selection_mask(idx, start_pos, S):  # [B, T, K] indices (-1 padded) -> [B, T, S] bool, for --verify
+        at = torch.where(idx >= 0, idx, S).long()
+        return torch.zeros(*idx.shape[:2], S + 1, dtype=torch.bool, device=device).scatter_(-1, at, True)[..., :S]
+
+    def latent_cache(B, cap, a, official):  # the kernels' latent cache: one row per token
+        C, R = a.kv_lora_rank, a.qk_rope_head_dim
+        if official:                        # FP8 codes, their ue8m0 scales, bf16 rope (spec/kernels.md §3.4)
+            return torch.zeros(B, cap, latent_width(C, R), dtype=torch.uint8, device=device)
+        return torch.zeros(B, cap, C + R, dtype=torch.float32, device=device)   # exact numerics: float32
+
+    def store_latent(buf, start_pos, c_kv, k_pe, B, T):  # c^KV [B, T, C], k^R [B, T, R] -> rows at start_pos
+        if buf.dtype == torch.uint8:        # the official FP8 round trip's codes and scales: lossless
+            q, sc = act_quant(c_kv.reshape(B * T, -1))
+            rows = torch.cat([q.view(torch.uint8), sc.float().contiguous().view(torch.uint8),
+                              k_pe.reshape(B * T, -1).to(torch.bfloat16).view(torch.uint8)], -1)
+        else:
+            rows = torch.cat([c_kv, k_pe], -1).float()
+        store(buf, start_pos, rows.reshape(B, T, -1), B, T)
+
+    def latent_attention(q_nope, q_pe, latent, sel, p, start_pos, S, args, rnd):
+        """MLA over the packed latent cache through the kernels, absorbed form: q^C W^UK, attention
+        over the selected rows (sel [B, T, K]; None: every causal key), then W^UV. Dense prefill
+        chunks go through PyTorch's fused attention in the MHA form instead (dense_prefill)."""
+        H, N, V, C = args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim, args.kv_lora_rank
+        dt = torch.bfloat16 if latent.dtype == torch.uint8 else torch.float32   # official: bf16 operands
+        if "wkv_b_kernels" not in p:                                     # W^UK | W^UV per head, once
+            p["wkv_b_kernels"] = rnd(dequant(p["wkv_b"])).reshape(H, N + V, C).to(dt)
+        Wb = p["wkv_b_kernels"]
+        B, T = q_nope.shape[:2]
+        if sel is None and T > 1:
+            return dense_prefill(q_nope, q_pe, latent, p, start_pos, S, args, rnd, dt)
+        qa = rnd(torch.einsum("bthn,hnc->bthc", q_nope.to(dt), Wb[:, :N]).float())     # [B, T, H, C]
+        many = B * T * -(-H // 64) >= 132                                # enough programs without splits
+        fn = dsa.sparse_mla_prefill if many else dsa.sparse_mla_decode
+        o, _ = fn(qa.to(dt), q_pe.to(dt), latent, sel, args.softmax_scale, start_pos, S=S, out_dtype=dt)
+        o = rnd(o.float())                                               # weighted latent
+        return rnd(torch.einsum("bthc,hvc->bthv", o.to(dt), Wb[:, N:]).float())
+
+    def dense_prefill(q_nope, q_pe, latent, p, start_pos, S, args, rnd, dt):
+        """Dense attention of a prefill chunk, MHA form: expand the cached latent with W^UKV, then
+        PyTorch's scaled_dot_product_attention in query chunks with a lower-right causal mask."""
+        from torch.nn.attention.bias import causal_lower_right
+        H, N, R, V = args.num_attention_heads, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        B, T = q_nope.shape[:2]
+        c_kv, k_pe = unpack_latent(latent[:B, :S], args.kv_lora_rank)
+        kvb = linear(c_kv, p["wkv_b"], dt == torch.bfloat16).reshape(B, S, H, N + V)
+        q = torch.cat([q_nope, q_pe], -1).to(dt).transpose(1, 2)                        # [B, H, T, N + R]
+        k = torch.cat([kvb[..., :N], k_pe[:, :, None].expand(B, S, H, R)], -1).to(dt).transpose(1, 2)
+        v = torch.nn.functional.pad(kvb[..., N:], (0, N + R - V)).to(dt).transpose(1, 2)  # padded to q's width
+        o = torch.empty(B, H, T, N + R, dtype=dt, device=device)
+        step = 4096
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            end = int(start_pos) + t1
+            o[:, :, t0:t1] = torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, t0:t1], k[:, :, :end], v[:, :, :end], attn_mask=causal_lower_right(t1 - t0, end),
+                scale=args.softmax_scale)
+        return rnd(o[..., :V].transpose(1, 2).float())
 
     def act_dequant(q, s):
         return (q.float().reshape(*q.shape[:-1], -1, 128) * s[..., None]).reshape(q.shape)
@@ -347,7 +440,8 @@ def torch_ops(device, kernels=True):
         bf16_round=bf16_round, no_round=no_round, act_quant=act_quant, linear=linear, dequant=dequant,
         rms_norm=rms_norm, layer_norm=layer_norm, rope_interleaved=rope_interleaved, rope_half_split=rope_half_split,
         rotate_activation=rotate_activation, head_weights=head_weights, index_scores=index_scores,
-        topk_select=topk_select, latent_fp8_roundtrip=latent_fp8_roundtrip, causal_mask=causal_mask, store=store,
+        topk_select=topk_select, select=select, selection_mask=selection_mask, fused=fused, latent_cache=latent_cache,
+        store_latent=store_latent, latent_attention=latent_attention, latent_fp8_roundtrip=latent_fp8_roundtrip, causal_mask=causal_mask, store=store,
         mha=mha, mqa_absorbed=mqa_absorbed, mlp=mlp, moe=moe, gate=gate, experts=experts, expert_linear=expert_linear,
         route=route,
         cat=lambda xs, axis: torch.cat(xs, axis), zeros=zeros,

@@ -87,7 +87,8 @@ def topk_select_ref(I, K, start_pos):  # [B, T, S] f32, top-k, offset -> [B, T, 
 # The indexer layer: projections, RoPE, (rotation + FP8), key cache, scores, selection
 
 def indexer_forward(x, qr, p, cache, start_pos, S, cos, sin, args, opts):
-    """x [B, T, d], qr [B, T, r_q] (the MLA query latent, shared) -> selection [B, T, S] bool.
+    """x [B, T, d], qr [B, T, r_q] (the MLA query latent, shared) -> selection [B, T, S] bool (the
+    GPU's kernels: [B, T, K] selected positions, -1 padded).
     p: this layer's indexer weights; cache: its key cache (written at start_pos..start_pos+T; the
     first S slots are scored, S = start_pos + T except in a captured decode, where S is the cache's
     capacity and the causal mask hides the slots not written yet);
@@ -111,8 +112,13 @@ def indexer_forward(x, qr, p, cache, start_pos, S, cos, sin, args, opts):
     ops.store(cache.k, start_pos, k, B, T)
     ops.store(cache.k_scale, start_pos, k_scale, B, T)
     w = ops.head_weights(x, p["weights_proj"], q_scale, J, D)                     # w^I_{t,j} [B, T, J]
-    I = ops.index_scores(q, w, cache.k[:B, :S], cache.k_scale[:B, :S])            # eq. (1) [B, T, S]
-    return ops.topk_select(I, args.index_topk, start_pos)                         # eq. (2)
+    return ops.select(q, w, cache.k[:B, :S], cache.k_scale[:B, :S], args.index_topk, start_pos)   # eqs. (1)-(2)
+
+
+def select_ref(q, w, k, k_scale, K, start_pos):  # eq. (1) then eq. (2) -> [B, T, S] bool
+    # the op a fast backend replaces whole: its kernels return the selection as indices [B, T, K]
+    # (kernels_cuda.topk_indices's layout), scoring long prompts in query chunks
+    return topk_select_ref(index_scores_ref(q, w, k, k_scale), K, start_pos)
 
 
 def head_weights_ref(x, weights_proj, q_scale, J, D):  # [B, T, d], Weight [J, d], [B, T, J] -> [B, T, J] f32

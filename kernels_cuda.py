@@ -308,6 +308,7 @@ def index_scores(q, w, k, k_scale, start_pos, block_n=64, num_warps=4, num_stage
         q, k = q.view(torch.uint8), k.view(torch.uint8)
     out = torch.empty(B, T, S, dtype=torch.float32, device=q.device)
     jp = triton.next_power_of_2(J)
+    block_n = max(16, min(block_n, triton.next_power_of_2(S)))
     bq = bq or max(16 // jp, min(max(128 // jp, 1), triton.next_power_of_2(T)), 1)   # BQ * JP rows: 16..128
     nq, nblocks = triton.cdiv(T, bq), triton.cdiv(S, block_n)
     splits = max(1, min(nblocks, triton.cdiv(programs, B * nq)))
@@ -409,6 +410,7 @@ def topk_indices(scores, K, start_pos, block=2048, num_warps=8, sample=2048, cap
     B, T, S = scores.shape
     out = torch.empty(B, T, K, dtype=torch.int32, device=scores.device)
     cap = cap or 4 * K + 1024                                          # room for the sampled threshold's list
+    block = max(16, min(block, triton.next_power_of_2(S)))
     cand = torch.empty(B * T, cap, dtype=torch.int32, device=scores.device)
     _topk_kernel[(B * T,)](scores.float().contiguous(), out, cand, _pos_tensor(start_pos, scores.device), T, S, K,
                            cap, BLOCK=block, SAMPLE=sample, num_warps=num_warps)

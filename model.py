@@ -269,11 +269,12 @@ NUMPY_OPS = SimpleNamespace(
     rope_interleaved=rope.rope_interleaved, rope_half_split=rope.rope_half_split,
     # DSA: indexer and selection
     rotate_activation=indexer.rotate_activation_ref, head_weights=indexer.head_weights_ref,
-    index_scores=indexer.index_scores_ref, topk_select=indexer.topk_select_ref,
+    index_scores=indexer.index_scores_ref, topk_select=indexer.topk_select_ref, select=indexer.select_ref,
     # MLA
     latent_fp8_roundtrip=attention.latent_fp8_roundtrip_ref, causal_mask=attention.causal_mask_ref,
     store=attention.store_ref,
     mha=attention.mha_ref, mqa_absorbed=attention.mqa_absorbed_ref,
+    fused=False,                                        # no DSA kernels: the selection is a mask, the cache two arrays
     # feed-forward
     mlp=moe.mlp_ref, moe=moe.moe_ref, gate=moe.gate_ref,
     # glue
@@ -316,26 +317,39 @@ def to_backend(w, ops):  # a nested weight dict -> the same with every array han
 # Caches: per layer, the latent c^KV, the rope key k^R, the indexer keys and their scales
 
 class LayerCache:
-    """Grows (doubling) up to max_seq_len instead of being allocated whole."""
+    """One layer's caches, grown (doubling) up to max_seq_len instead of allocated whole: the latent
+    c^KV [B, cap, C] and rope key k^R [B, cap, R] (kv, pe), or with the GPU's DSA kernels (fused)
+    one packed row per token instead (latent [B, cap, W], backend_torch.latent_cache); the indexer's
+    keys [B, cap, D] (FP8 codes or float32) and their scales [B, cap] (idx.k, idx.k_scale)."""
 
-    def __init__(self, B, args, fp8_keys, ops):
+    def __init__(self, B, args, fp8_keys, ops, fused=False, official=True):
         self.B, self.args, self.cap, self.ops, self.fp8_keys = B, args, 0, ops, fp8_keys
-        self.kv, self.pe, self.idx = self._alloc(0)         # [B, cap, C], [B, cap, R], keys [B, cap, D] + scales
+        self.fused, self.official = fused, official
+        self._set(self._alloc(0))
 
     def _alloc(self, cap):
         z, a, B = self.ops.zeros, self.args, self.B
-        return (z((B, cap, a.kv_lora_rank), False), z((B, cap, a.qk_rope_head_dim), False),
-                SimpleNamespace(k=z((B, cap, a.index_head_dim), self.fp8_keys), k_scale=z((B, cap), False)))
+        bufs = {"k": z((B, cap, a.index_head_dim), self.fp8_keys), "k_scale": z((B, cap), False)}
+        if self.fused:
+            bufs["latent"] = self.ops.latent_cache(B, cap, a, self.official)
+        else:
+            bufs["kv"], bufs["pe"] = z((B, cap, a.kv_lora_rank), False), z((B, cap, a.qk_rope_head_dim), False)
+        return bufs
+
+    def _set(self, bufs):
+        self.bufs = bufs
+        self.kv, self.pe, self.latent = bufs.get("kv"), bufs.get("pe"), bufs.get("latent")
+        self.idx = SimpleNamespace(k=bufs["k"], k_scale=bufs["k_scale"])
 
     def reserve(self, end):
         if end <= self.cap:
             return
         cap = min(max(end, 2 * self.cap, 64), self.args.max_seq_len)
-        kv, pe, idx = self._alloc(cap)
-        n = self.cap
-        kv[:, :n], pe[:, :n] = self.kv[:, :n], self.pe[:, :n]
-        idx.k[:, :n], idx.k_scale[:, :n] = self.idx.k[:, :n], self.idx.k_scale[:, :n]
-        self.kv, self.pe, self.idx, self.cap = kv, pe, idx, cap
+        bufs, n = self._alloc(cap), self.cap
+        for name, buf in bufs.items():
+            buf[:, :n] = self.bufs[name][:, :n]
+        self._set(bufs)
+        self.cap = cap
 
 
 # -----------------------------------------------------------------------------
@@ -354,7 +368,8 @@ class Transformer:
             raise ValueError(f"indexer must be 'fp8' or 'exact', got {indexer_mode!r}")
         self.args, self.w, self.path = args, weights, ck_path
         self.opts = SimpleNamespace(official=numerics == "official", sparse=attention_mode == "sparse",
-                                    indexer_fp8=indexer_mode == "fp8", ops=ops, record=None)
+                                    indexer_fp8=indexer_mode == "fp8", ops=ops, record=None,
+                                    fused=ops.fused)     # the GPU's DSA kernels (backend_torch)
         self.numerics, self.attention, self.indexer = numerics, attention_mode, indexer_mode
         self.freqs = rope.yarn_freqs(args.qk_rope_head_dim, args.rope_theta, args.max_seq_len, args.original_seq_len,
                                      args.rope_factor, args.rope_scaling.get("beta_fast", 32),
@@ -394,10 +409,13 @@ class Transformer:
         """Allocate the caches for `batch` sequences of up to total_len tokens now (on the device),
         so that generation does not grow them step by step."""
         if not (self.caches and self.caches[0].B == batch):
-            self.caches = [LayerCache(batch, self.args, self.opts.indexer_fp8, self.opts.ops)
-                           for _ in range(self.args.num_hidden_layers)]
+            self.caches = [self._cache(batch) for _ in range(self.args.num_hidden_layers)]
         for c in self.caches:
             c.reserve(min(total_len, self.args.max_seq_len))
+
+    def _cache(self, B):
+        o = self.opts
+        return LayerCache(B, self.args, o.indexer_fp8, o.ops, o.fused, o.official)
 
     def _check_tokens(self, tokens, start_pos):
         tokens = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)   # a torch tensor too
@@ -425,7 +443,7 @@ class Transformer:
         B, T = tokens.shape
         a, o, ops = self.args, self.opts, self.opts.ops
         if start_pos == 0 and not (self.caches and self.caches[0].B == B):
-            self.caches = [LayerCache(B, a, o.indexer_fp8, ops) for _ in range(a.num_hidden_layers)]
+            self.caches = [self._cache(B) for _ in range(a.num_hidden_layers)]
         end = start_pos + T
         for c in self.caches:
             c.reserve(end)
