@@ -466,7 +466,7 @@ class GraphDecoder:
     which experts were chosen, which a graph cannot hold."""
 
     def __init__(self, model, batch, first_pos):
-        dev = model.caches[0].kv.device
+        dev = model.caches[0].idx.k_scale.device
         self.model = model
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         self.pos = torch.full((), first_pos, dtype=torch.long, device=dev)

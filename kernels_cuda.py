@@ -242,15 +242,16 @@ def _index_scores_kernel(Q, W, K, KS, OUT, POS, T, S, J, SPLIT,
                          BQ: tl.constexpr, JP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          IEEE: tl.constexpr, DECODE: tl.constexpr, FNUZ: tl.constexpr):
     """Reference: indexer.index_scores_ref, with -inf at each query's future keys. One program per
-    (sequence, block of BQ queries, split of the keys): the queries' q rows [BQ * JP, D] stay in
-    registers while key blocks stream past; logits [BQ * JP, BLOCK_N] in one MMA, ReLU per head, the
-    signed head weights, the sum over heads, then the key scale (> 0, so it commutes with the ReLU).
-    Key blocks after the block's last query are not computed, only written -inf."""
+    (sequence, block of BQ queries, split of the keys): the queries' rows q [BQ * JP, D] (every head
+    of each query) stay in registers while key blocks stream past. Keys on the MMA's M side (as
+    DeepGEMM): logits [BLOCK_N, BQ * JP] in one MMA, ReLU per head, the signed head weights, the sum
+    over each query's heads (within a thread's registers), then the key scale (> 0, so it commutes
+    with the ReLU). Key blocks after the block's last query are not computed, only written -inf."""
     b, sp = tl.program_id(0), tl.program_id(2)
     qb = tl.num_programs(1) - 1 - tl.program_id(1)                     # longest rows first: a shorter tail
     start_pos = tl.load(POS)
     rm = tl.arange(0, BQ * JP)
-    t, j = qb * BQ + rm // JP, rm % JP                                 # each MMA row's query token and head
+    t, j = qb * BQ + rm // JP, rm % JP                                 # each q row's query token and head
     ok = (t < T) & (j < J)
     bt = b.to(tl.int64) * T + t
     rd = tl.arange(0, D)
@@ -259,6 +260,7 @@ def _index_scores_kernel(Q, W, K, KS, OUT, POS, T, S, J, SPLIT,
         q = q.to(tl.float16)
     else:
         q = tl.load(Q + (bt * J + j)[:, None] * D + rd[None, :], mask=ok[:, None], other=0.0)
+    qt = tl.trans(q)                                                   # [D, BQ * JP], D contiguous (K-major)
     w = tl.load(W + bt * J + j, mask=ok, other=0.0)
     rq = qb * BQ + tl.arange(0, BQ)
     last = start_pos + rq                                              # each query's own position
@@ -266,28 +268,28 @@ def _index_scores_kernel(Q, W, K, KS, OUT, POS, T, S, J, SPLIT,
     lo = sp * SPLIT
     hi = tl.minimum(lo + SPLIT, S)
     live = tl.minimum(hi, top + 1)
-    out = OUT + (b.to(tl.int64) * T + rq)[:, None] * S
-    row_ok = (rq < T)[:, None]
+    out = OUT + (b.to(tl.int64) * T + rq)[None, :] * S                 # [1, BQ] row starts
+    row_ok = (rq < T)[None, :]
     for n0 in range(lo, live, BLOCK_N):
         rn = n0 + tl.arange(0, BLOCK_N)
-        k_at = K + (b.to(tl.int64) * S + rn)[None, :] * D + rd[:, None]
+        k_at = K + (b.to(tl.int64) * S + rn)[:, None] * D + rd[None, :]
         if DECODE:
-            k = _e4m3_decode(tl.load(k_at, mask=rn[None, :] < S, other=0), FNUZ).to(tl.float16)
+            k = _e4m3_decode(tl.load(k_at, mask=rn[:, None] < S, other=0), FNUZ).to(tl.float16)
         else:
-            k = tl.load(k_at, mask=rn[None, :] < S, other=0.0)
+            k = tl.load(k_at, mask=rn[:, None] < S, other=0.0)
         if IEEE:                                                       # float32 q, k (exact numerics): no tf32
-            logits = tl.dot(q, k, input_precision="ieee")
+            logits = tl.dot(k, qt, input_precision="ieee")
         else:                                                          # FP8 (or fp16) operands, fp32 accumulation
-            logits = tl.dot(q, k, out_dtype=tl.float32)
-        z = tl.maximum(logits, 0.0) * w[:, None]                       # ReLU per head, then the signed weight
-        score = tl.sum(tl.reshape(z, (BQ, JP, BLOCK_N)), axis=1)       # sum over heads -> [BQ, BLOCK_N]
-        score = score * tl.load(KS + b.to(tl.int64) * S + rn, mask=rn < S, other=0.0)[None, :]
-        tl.store(out + rn[None, :], tl.where(rn[None, :] <= last[:, None], score, float("-inf")),
-                 mask=row_ok & (rn < hi)[None, :])
+            logits = tl.dot(k, qt, out_dtype=tl.float32)
+        z = tl.maximum(logits, 0.0) * w[None, :]                       # ReLU per head, then the signed weight
+        score = tl.sum(tl.reshape(z, (BLOCK_N, BQ, JP)), axis=2)       # sum over heads -> [BLOCK_N, BQ]
+        score = score * tl.load(KS + b.to(tl.int64) * S + rn, mask=rn < S, other=0.0)[:, None]
+        tl.store(out + rn[:, None], tl.where(rn[:, None] <= last[None, :], score, float("-inf")),
+                 mask=row_ok & (rn < hi)[:, None])
     f0 = lo + (tl.maximum(live - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     for n0 in range(f0, hi, BLOCK_N):                                  # future key blocks: only -inf
         rn = n0 + tl.arange(0, BLOCK_N)
-        tl.store(out + rn[None, :], tl.full((BQ, BLOCK_N), float("-inf"), tl.float32), mask=row_ok & (rn < hi)[None, :])
+        tl.store(out + rn[:, None], tl.full((BLOCK_N, BQ), float("-inf"), tl.float32), mask=row_ok & (rn < hi)[:, None])
 
 
 def index_scores(q, w, k, k_scale, start_pos, block_n=64, num_warps=4, num_stages=3, programs=264, bq=None,
@@ -331,6 +333,14 @@ def _ordered_key(x):  # fp32 -> int64 in [0, 2^32) whose order is the float orde
 
 
 @triton.jit
+def _bucket(hist, need):  # 256-bin histogram, rank -> (the bin holding the need-th largest, the rank within it)
+    bins = tl.arange(0, 256)
+    above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)             # keys in higher bins
+    b = tl.max(tl.where(above + hist >= need, bins, -1), axis=0)
+    return b, need - tl.sum(tl.where(bins > b, hist, 0), axis=0)
+
+
+@triton.jit
 def _topk_kernel(SCORES, OUT, CAND, POS, T, S, K, CAP, BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
     """Reference: indexer.topk_select_ref (as indices). One program per query row.
     1. Long rows: a threshold from a strided sample of SAMPLE scores (a rank safely above the k-th
@@ -350,12 +360,18 @@ def _topk_kernel(SCORES, OUT, CAND, POS, T, S, K, CAP, BLOCK: tl.constexpr, SAMP
     cand = CAND + row.to(tl.int64) * CAP
     m = n                                                              # keys to select from: the row...
     listed = tl.zeros((), tl.int32)                                    # 1: work on the list
-    if n >= 2 * SAMPLE:                                                # 1. ...or the list above a sampled threshold
+    if n >= 4 * SAMPLE:                                                # 1. ...or the list above a sampled threshold
         rs = tl.arange(0, SAMPLE)
-        u = tl.sort(_ordered_key(tl.load(src + rs.to(tl.int64) * (n // SAMPLE))), descending=True)
+        u = _ordered_key(tl.load(src + rs.to(tl.int64) * (n // SAMPLE)))
         want = kk.to(tl.float32) * SAMPLE / n.to(tl.float32)           # the k-th largest's expected sample rank
-        r = tl.minimum((want + 4.0 * tl.sqrt(want) + 8.0).to(tl.int32), SAMPLE - 1)
-        tau = tl.max(tl.where(rs == r, u, 0), axis=0)
+        r = tl.minimum((want + 4.0 * tl.sqrt(want) + 8.0).to(tl.int32), SAMPLE)
+        tau = tl.zeros((), tl.int64)                                   # the r-th largest sampled key, by radix
+        tau_mask = tl.zeros((), tl.int64)
+        for p in range(4):
+            hist = tl.histogram(((u >> (24 - 8 * p)) & 0xFF).to(tl.int32), 256, mask=(u & tau_mask) == tau)
+            b, r = _bucket(hist, r)
+            tau |= b.to(tl.int64) << (24 - 8 * p)
+            tau_mask |= 0xFF << (24 - 8 * p)
         cnt = tl.zeros((), tl.int32)
         for s0 in range(0, n, BLOCK):
             rb = s0 + tl.arange(0, BLOCK)
@@ -365,7 +381,6 @@ def _topk_kernel(SCORES, OUT, CAND, POS, T, S, K, CAP, BLOCK: tl.constexpr, SAMP
             cnt += tl.sum(sel.to(tl.int32), axis=0)
         listed = ((cnt >= kk) & (cnt <= CAP)).to(tl.int32)
         m = tl.where(listed > 0, cnt, n)
-    bins = tl.arange(0, 256)
     prefix = tl.zeros((), tl.int64)
     hi_mask = tl.zeros((), tl.int64)
     need = kk.to(tl.int32)
@@ -378,9 +393,7 @@ def _topk_kernel(SCORES, OUT, CAND, POS, T, S, K, CAP, BLOCK: tl.constexpr, SAMP
             u = _ordered_key(tl.load(src + at, mask=rb < m, other=0.0))
             ok = (rb < m) & ((u & hi_mask) == prefix)
             hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=ok)
-        above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)         # keys in higher buckets
-        b = tl.max(tl.where(above + hist >= need, bins, -1), axis=0)   # the bucket holding the need-th largest
-        need -= tl.sum(tl.where(bins > b, hist, 0), axis=0)
+        b, need = _bucket(hist, need)
         prefix |= b.to(tl.int64) << shift
         hi_mask |= 0xFF << shift
     # 3. prefix is now the K-th largest key: take all keys above it and the first `need` equal to it
@@ -406,7 +419,7 @@ def _topk_kernel(SCORES, OUT, CAND, POS, T, S, K, CAP, BLOCK: tl.constexpr, SAMP
 def topk_indices(scores, K, start_pos, block=2048, num_warps=8, sample=2048, cap=None):
     """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
     causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K.
-    Rows of at least 2 * sample keys first list the keys above a sampled threshold (at most cap)."""
+    Rows of at least 4 * sample keys first list the keys above a sampled threshold (at most cap)."""
     B, T, S = scores.shape
     out = torch.empty(B, T, K, dtype=torch.int32, device=scores.device)
     cap = cap or 4 * K + 1024                                          # room for the sampled threshold's list

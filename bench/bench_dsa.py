@@ -75,6 +75,7 @@ def main():
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton
+    import triton.testing
     import bench_gemm
     import kernels_cuda
     bench_gemm._imports()
@@ -203,6 +204,19 @@ def main():
                          baseline_ms=timed(gathered), flops=2 * T * H * Kq * (C + R + C), config=cfg))
         del cache, kv, pe
 
+    if dev == "cuda":  # registers and spills of the compiled kernels (stderr), and B=1 decode without the flush
+        for name in ("_index_scores_kernel", "_topk_kernel", "_sparse_mla_kernel"):
+            fn = getattr(kernels_cuda, name)
+            for per_dev in getattr(fn, "device_caches", {}).values():
+                for ck in (per_dev[0].values() if isinstance(per_dev, tuple) else []):
+                    print(name, "regs", getattr(ck, "n_regs", "?"), "spills", getattr(ck, "n_spills", "?"),
+                          "warps", getattr(getattr(ck, "metadata", None), "num_warps", "?"), file=sys.stderr)
+        cache, _, _ = cache_of(1, 65536, "fp8")
+        qa, qp = randn(1, 1, H, C, dtype=torch.bfloat16), randn(1, 1, H, R, dtype=torch.bfloat16)
+        idx = selection(1, 1, 65536, K)
+        for c in MLA_CONFIGS[:4]:
+            ms = triton.testing.do_bench(lambda: kernels_cuda.sparse_mla_decode(qa, qp, cache, idx, scale, 65535, **c))
+            print("sparse MLA decode B=1 fp8, do_bench (no flush):", c, f"{1e3 * ms:.1f} us", file=sys.stderr)
     meta = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)", torch=torch.__version__,
                 triton=triton.__version__, date=time.strftime("%Y-%m-%d"), smoke=smoke,
                 roofline=bench_gemm.rooflines() if dev == "cuda" else dict(fp8_tflops=1, bf16_tflops=1, copy_gbs=1))

@@ -267,7 +267,7 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
 def test_topk_kernel(B, T, past, K, values, block, sample_cap, seed):
     """Exact top-k as sets against topk_select_ref: contexts shorter than k, exactly k (past + t + 1 =
     K happens), one token; many ties (rounded scores, +0 and -0), a row of one repeated value, -inf.
-    A small sample puts rows of >= 32 keys on the sampled-threshold list; a list capacity of 1 forces
+    A small sample puts rows of >= 64 keys on the sampled-threshold list; a list capacity of 1 forces
     the fall-back to the whole row there."""
     sample, cap = sample_cap
     import indexer

@@ -1,0 +1,166 @@
+"""The DeepSeek-V3.2-Exp paper's Figure 3 on one GPU: the cost of the token at position L for one layer
+at the real dimensions (MLA + lightning indexer + a MoE FFN with 256 experts; random FP8 weights),
+with attention="sparse" (DSA through the kernels) and attention="dense" (V3.1-Terminus behaviour) on
+the same weights, for L = 4K .. 128K.
+
+    prefill   a 4096-token chunk ending at L (start_pos = L - 4096), time / 4096. Dense: the MHA form
+              through PyTorch's fused scaled_dot_product_attention in query chunks; sparse: the
+              indexer kernels, top-k and the sparse MLA prefill kernel (absorbed form)
+    decode    one step at context L from a CUDA graph, time / batch, at batch 1 and at batch 64.
+              Dense: the same latent kernel walking every causal position (absorbed MLA over the FP8
+              cache: the best dense decode the project has); sparse: indexer + top-k + sparse MLA
+
+The caches hold random values (the costs do not depend on them); official numerics. The vocabulary
+is cut to 1024 so the head's GEMV does not swamp one layer's decode.
+
+    python bench/bench_fig3.py [--out DIR]        writes DIR/fig3.json, DIR/fig3.png (if matplotlib is there)
+    python bench/bench_fig3.py --render FILE.json [--png FILE.png]
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LS = [4096, 8192, 16384, 32768, 65536, 131072]
+CHUNK = 4096
+BATCH = 64
+PAPER = {"prefill": 3.5, "decode": 8.5}          # dense / sparse cost at 128K, H800 (spec/kernels.md A20)
+
+
+def render(d):
+    lines = [f"{d['meta']['gpu']}, {d['meta']['date']}, torch {d['meta']['torch']}, triton {d['meta']['triton']}; one "
+             "layer of DeepSeek-V3.2-Exp (MLA + indexer + 256-expert MoE), official numerics; microseconds per token", "",
+             "| L | prefill dense | prefill sparse | dense/sparse | decode b1 dense | decode b1 sparse | dense/sparse "
+             f"| decode b{BATCH} dense | decode b{BATCH} sparse | dense/sparse |", "|---|---|---|---|---|---|---|---|---|---|"]
+    r = d["us_per_token"]
+    for L in LS:
+        k = str(L)
+        cells = []
+        for what in ("prefill", "decode_b1", f"decode_b{BATCH}"):
+            dn, sp = r["dense"][what].get(k), r["sparse"][what].get(k)
+            cells += [f"{dn:.2f}" if dn else "-", f"{sp:.2f}" if sp else "-", f"{dn / sp:.2f}x" if dn and sp else "-"]
+        lines.append(f"| {L // 1024}K | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(d, png):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (the table and the JSON are written)", file=sys.stderr)
+        return False
+    r = d["us_per_token"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, what, title in zip(axes, ("prefill", "decode_b1", f"decode_b{BATCH}"),
+                               ("prefill (4K chunk ending at L)", "decode, batch 1", f"decode, batch {BATCH}")):
+        for mode, style in (("dense", "o-"), ("sparse", "s-")):
+            xs = [L for L in LS if str(L) in r[mode][what]]
+            ax.plot([x / 1024 for x in xs], [r[mode][what][str(x)] for x in xs], style,
+                    label="dense (V3.1-style MLA)" if mode == "dense" else "sparse (DSA kernels)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([L / 1024 for L in LS], [f"{L // 1024}K" for L in LS])
+        ax.set_xlabel("token position L")
+        ax.set_ylabel("us per token, one layer")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"Cost of the token at position L, one DeepSeek-V3.2-Exp layer on one {d['meta']['gpu']} "
+                 f"({d['meta']['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    return True
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for fig3.json and fig3.png")
+    ap.add_argument("--render", help="print the table of a stored fig3.json (and --png FILE: plot it)")
+    ap.add_argument("--png")
+    ap.add_argument("--max-l", type=int, default=LS[-1], help="largest L to measure (default 128K)")
+    a = ap.parse_args()
+    if a.render:
+        d = json.loads(Path(a.render).read_text())
+        print(render(d))
+        if a.png:
+            plot(d, a.png)
+        return
+    import torch
+    import triton
+    import backend_torch
+    import bench_model
+    from model import ModelArgs, Transformer
+
+    args = ModelArgs.from_config(dict(bench_model.REAL, num_hidden_layers=1, first_k_dense_replace=0, vocab_size=1024),
+                                 max_seq_len=a.max_l + 64)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = bench_model.random_weights(args, "cuda", False, gen)
+    ops = backend_torch.torch_ops("cuda")
+    assert ops.fused, "the DSA kernels are not in use"
+    ls = [L for L in LS if L <= a.max_l]
+    res = {}
+
+    def fill(m):  # random but valid cache contents everywhere (FP8 codes without NaN, scales 1/16)
+        for c in m.caches:
+            n = c.latent.shape[:2]
+            C = args.kv_lora_rank
+            c.latent[..., :C] = torch.randint(0, 256, (*n, C), device="cuda", dtype=torch.uint8, generator=gen) & 0x77
+            c.latent[..., C:C + 16] = torch.full((*n, 4), 1 / 16, device="cuda").view(torch.uint8)
+            c.latent[..., C + 16:] = torch.randn(*n, 64, device="cuda", generator=gen).to(torch.bfloat16).view(torch.uint8)
+            c.idx.k.copy_(torch.randn(c.idx.k.shape, device="cuda", generator=gen).to(c.idx.k.dtype))
+            c.idx.k_scale.fill_(1.0)
+
+    def timed(fn, reps):
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / reps
+
+    for mode in ("sparse", "dense"):
+        m = Transformer(args, w, numerics="official", attention_mode=mode, ops=ops)
+        out = res[mode] = {"prefill": {}, "decode_b1": {}, f"decode_b{BATCH}": {}}
+        m.reserve(1, args.max_seq_len)
+        fill(m)
+        tok = torch.randint(0, args.vocab_size, (1, CHUNK), device="cuda", generator=gen)
+        for L in ls:                                     # a 4K chunk ending at L
+            m.cached_len = L - CHUNK
+            out["prefill"][str(L)] = 1e6 * timed(lambda: m.forward(tok, start_pos=L - CHUNK), 2 if L > 32768 else 3) / CHUNK
+            print(mode, "prefill", L, f"{out['prefill'][str(L)]:.2f} us/token", flush=True)
+        for B in (1, BATCH):
+            if B > 1:
+                m.caches = None
+                m.reserve(B, args.max_seq_len)
+                fill(m)
+            m.cached_len = ls[0]
+            g = backend_torch.GraphDecoder(m, B, ls[0])
+            nxt = torch.zeros(B, 1, dtype=torch.long, device="cuda")
+            for L in ls:
+                out[f"decode_b{B}"][str(L)] = 1e6 * timed(lambda: g(nxt, L), 10) / B
+                print(mode, f"decode b{B}", L, f"{out[f'decode_b{B}'][str(L)]:.2f} us/token", flush=True)
+            del g
+        m.caches = None
+        del m
+        torch.cuda.empty_cache()
+    d = dict(meta=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       date=time.strftime("%Y-%m-%d"), chunk=CHUNK, batch=BATCH), us_per_token=res)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "fig3.json").write_text(json.dumps(d, indent=1))
+    plot(d, Path(a.out) / "fig3.png")
+    print(render(d))
+    top = str(ls[-1])
+    for what, paper in (("prefill", PAPER["prefill"]), ("decode_b1", PAPER["decode"]), (f"decode_b{BATCH}", PAPER["decode"])):
+        r = res["dense"][what][top] / res["sparse"][what][top]
+        print(f"{what} at {int(top) // 1024}K: sparse is {r:.2f}x cheaper than dense (paper, whole model on H800: ~{paper}x)")
+
+
+if __name__ == "__main__":
+    main()
