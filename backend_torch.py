@@ -189,9 +189,15 @@ def torch_ops(device, kernels=True, dsa=None):
 
     fused = dsa is not None                                              # the DSA kernels: indices, packed cache
 
-    def select(q, w, k, k_scale, K, start_pos):  # eqs. (1)-(2): indexer.select_ref; kernels: [B, T, K] indices
-        if not fused:
+    def select(q, w, k, k_scale, K, start_pos, indices=False):  # eqs. (1)-(2): indexer.select_ref
+        if not indices:
             return topk_select(index_scores(q, w, k, k_scale), K, start_pos)
+        if not fused:                                                    # the mask's positions, ascending
+            sel = topk_select(index_scores(q, w, k, k_scale), K, start_pos)
+            order = torch.sort(sel.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :K]
+            pad = torch.zeros(*order.shape[:2], max(0, K - order.shape[-1]), dtype=order.dtype, device=device)
+            order = torch.cat([order, pad], -1)
+            return torch.where(torch.arange(K, device=device) < sel.sum(-1, keepdim=True), order, -1).int()
         B, T, S = q.shape[0], q.shape[1], k.shape[1]
         rows = max(1, SCORE_BYTES // (4 * B * S))                        # fp32 scores of bounded size at a time
         if T <= rows:

@@ -112,13 +112,22 @@ def indexer_forward(x, qr, p, cache, start_pos, S, cos, sin, args, opts):
     ops.store(cache.k, start_pos, k, B, T)
     ops.store(cache.k_scale, start_pos, k_scale, B, T)
     w = ops.head_weights(x, p["weights_proj"], q_scale, J, D)                     # w^I_{t,j} [B, T, J]
-    return ops.select(q, w, cache.k[:B, :S], cache.k_scale[:B, :S], args.index_topk, start_pos)   # eqs. (1)-(2)
+    return ops.select(q, w, cache.k[:B, :S], cache.k_scale[:B, :S], args.index_topk, start_pos,   # eqs. (1)-(2)
+                      indices=getattr(opts, "fused", False))
 
 
-def select_ref(q, w, k, k_scale, K, start_pos):  # eq. (1) then eq. (2) -> [B, T, S] bool
-    # the op a fast backend replaces whole: its kernels return the selection as indices [B, T, K]
-    # (kernels_cuda.topk_indices's layout), scoring long prompts in query chunks
-    return topk_select_ref(index_scores_ref(q, w, k, k_scale), K, start_pos)
+def select_ref(q, w, k, k_scale, K, start_pos, indices=False):  # eq. (1) then eq. (2)
+    """-> [B, T, S] bool, or with indices=True the form the DSA kernels take: [B, T, K] selected
+    positions. The op a fast backend replaces whole (its kernels score long prompts in query chunks)."""
+    sel = topk_select_ref(index_scores_ref(q, w, k, k_scale), K, start_pos)
+    return selection_indices_ref(sel, K) if indices else sel
+
+
+def selection_indices_ref(sel, K):  # [B, T, S] bool -> [B, T, K] int32: the selected positions ascending, then -1
+    B, T, S = sel.shape
+    order = np.argsort(~sel, axis=-1, kind="stable")[..., :K]                 # True first, each in index order
+    order = np.concatenate([order, np.zeros((B, T, max(0, K - S)), order.dtype)], -1)
+    return np.where(np.arange(K) < sel.sum(-1, keepdims=True), order, -1).astype(np.int32)
 
 
 def head_weights_ref(x, weights_proj, q_scale, J, D):  # [B, T, d], Weight [J, d], [B, T, J] -> [B, T, J] f32

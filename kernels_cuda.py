@@ -504,13 +504,15 @@ def _rope_rows(C16, row, ok, C: tl.constexpr, R: tl.constexpr, PACKED: tl.conste
 @triton.jit
 def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, SPLIT, qk_scale,
                        C: tl.constexpr, R: tl.constexpr, GW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PACKED: tl.constexpr, DENSE: tl.constexpr, DOT: tl.constexpr, DECODE: tl.constexpr):
+                       PACKED: tl.constexpr, DENSE: tl.constexpr, DOT: tl.constexpr, DECODE: tl.constexpr,
+                       QLOOP: tl.constexpr):
     """Reference: attention.mqa_absorbed_ref's softmax(scale * (q^C W^UK . c + q^R . k^R)) c over the
     selected s. One program per (query token, block of heads, split of the selected set): gather the
     selected rows by index (DENSE: walk the causal positions instead), scores in three MMAs (the two
     latent halves, the rope part), online softmax in base 2 (running max m, sum l), the same gathered
     latent halves as the values; writes the split's normalised output and its log2-sum-exp.
-    The latent is handled in two halves, each with its own accumulator, to keep tiles small."""
+    The latent is handled in two halves, each with its own accumulator, to keep tiles small; QLOOP
+    re-reads the query tile every step (from L2) instead of holding it in registers."""
     bt, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, t = bt // T, bt % T
     last = tl.load(POS) + t                                            # the query's position
@@ -542,6 +544,10 @@ def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, S
         kv0 = _latent_half(C8, C32, row, ok, 0, C, R, GW, PACKED, DECODE, DOT)
         kv1 = _latent_half(C8, C32, row, ok, 1, C, R, GW, PACKED, DECODE, DOT)
         pe = _rope_rows(C16, row, ok, C, R, PACKED, DOT)
+        if QLOOP:                                                      # registers for the accumulators instead
+            qa0 = _operand(tl.load(QA + head[:, None] * C + rc[None, :], mask=hm[:, None], other=0.0), DOT)
+            qa1 = _operand(tl.load(QA + head[:, None] * C + CH + rc[None, :], mask=hm[:, None], other=0.0), DOT)
+            qp = _operand(tl.load(QPE + head[:, None] * R + rr[None, :], mask=hm[:, None], other=0.0), DOT)
         z = _mma(qa0, tl.trans(kv0), DOT) + _mma(qa1, tl.trans(kv1), DOT) + _mma(qp, tl.trans(pe), DOT)
         z = tl.where(ok[None, :], z * qk_scale, float("-inf"))         # qk_scale = softmax scale * log2(e)
         m_new = tl.maximum(m, tl.max(z, 1))
@@ -562,7 +568,7 @@ def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, S
 
 
 def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, block_h, block_n, num_warps,
-                num_stages, decode):
+                num_stages, decode, q_in_loop=False):
     B, T, H, C = qa.shape
     R, L = q_pe.shape[-1], cache.shape[1]
     packed = cache.dtype == torch.uint8
@@ -597,7 +603,7 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
     _sparse_mla_kernel[(B * T, hb, splits)](
         qa.contiguous(), q_pe.contiguous(), c8, c32, c16, idx, _pos_tensor(start_pos, qa.device), o, lse,
         T, H, ksel, L, per, scale * 1.4426950408889634, C=C, R=R, GW=min(128, C // 2), BLOCK_H=block_h, BLOCK_N=block_n,
-        PACKED=packed, DENSE=dense, DOT=dot, DECODE=decode, num_warps=num_warps, num_stages=num_stages)
+        PACKED=packed, DENSE=dense, DOT=dot, DECODE=decode, QLOOP=q_in_loop, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:                                     # combine the splits by their log-sum-exp
         w = torch.softmax(lse * 0.6931471805599453, dim=1).nan_to_num(0.0)     # all -inf (no keys): 0
         o = (o * w[..., None]).sum(1, keepdim=True).to(out_dtype)
@@ -606,7 +612,7 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
 
 
 def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=None, out_dtype=torch.float32,
-                      block_h=None, block_n=32, num_warps=8, num_stages=2, decode=False):
+                      block_h=None, block_n=64, num_warps=8, num_stages=2, decode=False, q_in_loop=False):
     """qa [B, T, H, C] (the query absorbed into the latent space, q^C W^UK), q_pe [B, T, H, R], cache
     [>=B, L, W] one row per token (packed FP8 uint8 rows of latent_width(C, R) bytes, or bf16 / float32
     [C + R]), idx [B, T, K] selected positions or None (dense: every position <= start_pos + t, S
@@ -616,12 +622,12 @@ def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=Non
     For a few query tokens: the selected set is split so one sequence fills the GPU, and the splits
     are combined by their log-sum-exp."""
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], splits,
-                       out_dtype, block_h, block_n, num_warps, num_stages, decode)
+                       out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop)
 
 
 def sparse_mla_prefill(qa, q_pe, cache, idx, scale, start_pos, S=None, out_dtype=torch.bfloat16,
-                       block_h=None, block_n=32, num_warps=8, num_stages=2, decode=False):
+                       block_h=None, block_n=64, num_warps=8, num_stages=2, decode=False, q_in_loop=False):
     """sparse_mla_decode's arguments for a chunk of many queries: one program per (query, block of
     heads) over its whole selected set, the output written directly in out_dtype (no combine)."""
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], 1,
-                       out_dtype, block_h, block_n, num_warps, num_stages, decode)
+                       out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop)

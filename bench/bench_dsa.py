@@ -14,7 +14,8 @@ run in the same process, on one GPU, with the measured rooflines.
                       128-query chunk (prefill)
 
 Each sequence has its own cache and the selected indices are random and distinct, the L2 is flushed
-before every timed call (bench_gemm.timed). The first shape of each kernel sweeps a few tile
+before every timed call (bench_gemm.timed). Decode rows (and their baselines) are replayed from a CUDA
+graph, as a decode step runs: Python's launch cost (tens of microseconds) is not theirs. The first shape of each kernel sweeps a few tile
 configurations and the rest use the best. `--smoke` runs tiny shapes (on the CPU under
 TRITON_INTERPRET=1 the timings mean nothing: it only checks that the script runs).
 
@@ -37,9 +38,10 @@ IDX_CONFIGS = [dict(bq=bq, block_n=n, num_warps=w, num_stages=st) for bq, n, w, 
 IDX_DECODE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n, w, st in
                       [(64, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 3), (64, 4, 5), (256, 4, 3)]]
 TOPK_CONFIGS = [dict(block=b, num_warps=w) for b, w in [(2048, 8), (1024, 4), (4096, 16), (2048, 16), (1024, 8)]]
-MLA_CONFIGS = [dict(block_h=h, block_n=n, num_warps=w, num_stages=st) for h, n, w, st in
-               [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (32, 64, 8, 2), (16, 64, 4, 2), (64, 32, 4, 2),
-                (64, 64, 8, 1), (16, 32, 4, 3)]]
+MLA_CONFIGS = [dict(block_h=h, block_n=n, num_warps=w, num_stages=st, q_in_loop=ql) for h, n, w, st, ql in
+               [(64, 64, 8, 2, False), (64, 64, 8, 1, False), (64, 32, 8, 2, False), (32, 64, 8, 2, False),
+                (32, 64, 4, 3, False), (16, 64, 4, 3, False), (64, 64, 8, 2, True), (64, 64, 8, 3, True),
+                (64, 32, 4, 3, True), (32, 64, 4, 3, True)]]
 
 
 def render(meta, rows):
@@ -75,7 +77,6 @@ def main():
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton
-    import triton.testing
     import bench_gemm
     import kernels_cuda
     bench_gemm._imports()
@@ -83,18 +84,31 @@ def main():
     gen = torch.Generator(device=dev).manual_seed(0)
     smoke = a.smoke
 
-    def timed(fn):  # median CUDA-event time with the L2 flushed (bench_gemm's); on the CPU one plain call
+    def timed(fn, graph=False):
+        """Median CUDA-event time with the L2 flushed (bench_gemm's); on the CPU one plain call. graph:
+        the call replayed from a CUDA graph, as a decode step runs (no Python launch cost)."""
+        if dev == "cuda" and graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            return bench_gemm.timed(g.replay, reps=10)
         if dev == "cuda":
             return bench_gemm.timed(fn, reps=10)
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
 
-    def best(fn, configs):  # -> (ms, config) of the fastest configuration (only the first one under --smoke)
+    def best(fn, configs, graph=False):  # -> (ms, config) of the fastest configuration (the first under --smoke)
         res = []
         for c in configs[:1] if smoke else configs:
             try:
-                res.append((timed(lambda: fn(**c)), c))
+                res.append((timed(lambda: fn(**c), graph), c))
             except Exception as e:                                     # out of shared memory / registers
                 print(f"config {c} failed: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
         return min(res, key=lambda r: r[0])
@@ -124,9 +138,9 @@ def main():
     for B, L in [(64, 65536), (64, 16384), (8, 65536), (1, 65536), (1, 16384)] if not smoke else [(2, 40)]:
         q, k, w, ks = randn(B, 1, J, D, dtype=f8), randn(B, L, D, dtype=f8), randn(B, 1, J), torch.rand(B, L, device=dev) + 0.5
         fn = lambda **c: kernels_cuda.index_scores(q, w, k, ks, L - 1, **c)
-        ms, cfg = best(fn, IDX_DECODE_CONFIGS) if cfg is None else (timed(lambda: fn(**cfg)), cfg)
+        ms, cfg = best(fn, IDX_DECODE_CONFIGS, True) if cfg is None else (timed(lambda: fn(**cfg), True), cfg)
         qb, kb = q.to(torch.bfloat16), k.to(torch.bfloat16)
-        base = timed(lambda: (torch.einsum("bjd,bsd->bjs", qb[:, 0], kb).relu_().float() * w[:, 0, :, None]).sum(1) * ks)
+        base = timed(lambda: (torch.einsum("bjd,bsd->bjs", qb[:, 0], kb).relu_().float() * w[:, 0, :, None]).sum(1) * ks, True)
         rows.append(dict(kernel="indexer decode", shape=f"B={B} L={L}", ms=ms, baseline_ms=base,
                          bytes=B * L * (D + 4 + 4), config=cfg))
 
@@ -136,9 +150,9 @@ def main():
     for B, L in [(64, 65536), (1, 4096), (1, 16384), (1, 65536), (64, 4096), (64, 16384), (64, 131072)] if not smoke else [(2, 40)]:
         sc = randn(B, 1, L)
         fn = lambda **c: kernels_cuda.topk_indices(sc, KT, L - 1, **c)
-        ms, cfg = best(fn, TOPK_CONFIGS) if cfg is None else (timed(lambda: fn(**cfg)), cfg)
+        ms, cfg = best(fn, TOPK_CONFIGS, True) if cfg is None else (timed(lambda: fn(**cfg), True), cfg)
         rows.append(dict(kernel="top-k decode", shape=f"B={B} L={L} k={KT}", ms=ms,
-                         baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1)), bytes=4 * B * L, config=cfg))
+                         baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1), True), bytes=4 * B * L, config=cfg))
     T, S = (8192, 65536) if not smoke else (8, 40)
     sc = randn(1, T, S)
     ms = timed(lambda: kernels_cuda.topk_indices(sc, KT, S - T, **cfg))
@@ -174,13 +188,13 @@ def main():
         qa, qp = randn(B, 1, H, C, dtype=torch.bfloat16), randn(B, 1, H, R, dtype=torch.bfloat16)
         idx = selection(B, 1, L, K)
         fn = lambda **c: kernels_cuda.sparse_mla_decode(qa, qp, cache, idx, scale, L - 1, **c)
-        ms, cfg = best(fn, MLA_CONFIGS) if cfg is None else (timed(lambda: fn(**cfg)), cfg)
+        ms, cfg = best(fn, MLA_CONFIGS, True) if cfg is None else (timed(lambda: fn(**cfg), True), cfg)
         kvb, peb = kv.reshape(B, L, C).bfloat16(), pe.reshape(B, L, R).bfloat16()
 
         def dense():  # the dense absorbed attention over all L keys, in torch
             z = (torch.einsum("bhc,blc->bhl", qa[:, 0], kvb) + torch.einsum("bhr,blr->bhl", qp[:, 0], peb)).float() * scale
             return torch.einsum("bhl,blc->bhc", torch.softmax(z, -1).bfloat16(), kvb)
-        base = timed(dense) if B * L <= 64 * 32768 else None
+        base = timed(dense, True) if B * L <= 64 * 32768 else None
         rows.append(dict(kernel=f"sparse MLA decode ({fmt} cache)", shape=f"B={B} L={L} topk={K}", ms=ms, baseline_ms=base,
                          flops=2 * B * H * K * (C + R + C), config=cfg))
         del cache, kv, pe, kvb, peb
@@ -204,19 +218,13 @@ def main():
                          baseline_ms=timed(gathered), flops=2 * T * H * Kq * (C + R + C), config=cfg))
         del cache, kv, pe
 
-    if dev == "cuda":  # registers and spills of the compiled kernels (stderr), and B=1 decode without the flush
+    if dev == "cuda":  # registers and spills of the compiled kernels (stderr)
         for name in ("_index_scores_kernel", "_topk_kernel", "_sparse_mla_kernel"):
             fn = getattr(kernels_cuda, name)
             for per_dev in getattr(fn, "device_caches", {}).values():
                 for ck in (per_dev[0].values() if isinstance(per_dev, tuple) else []):
                     print(name, "regs", getattr(ck, "n_regs", "?"), "spills", getattr(ck, "n_spills", "?"),
                           "warps", getattr(getattr(ck, "metadata", None), "num_warps", "?"), file=sys.stderr)
-        cache, _, _ = cache_of(1, 65536, "fp8")
-        qa, qp = randn(1, 1, H, C, dtype=torch.bfloat16), randn(1, 1, H, R, dtype=torch.bfloat16)
-        idx = selection(1, 1, 65536, K)
-        for c in MLA_CONFIGS[:4]:
-            ms = triton.testing.do_bench(lambda: kernels_cuda.sparse_mla_decode(qa, qp, cache, idx, scale, 65535, **c))
-            print("sparse MLA decode B=1 fp8, do_bench (no flush):", c, f"{1e3 * ms:.1f} us", file=sys.stderr)
     meta = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)", torch=torch.__version__,
                 triton=triton.__version__, date=time.strftime("%Y-%m-%d"), smoke=smoke,
                 roofline=bench_gemm.rooflines() if dev == "cuda" else dict(fp8_tflops=1, bf16_tflops=1, copy_gbs=1))

@@ -45,6 +45,16 @@ def render(d):
             dn, sp = r["dense"][what].get(k), r["sparse"][what].get(k)
             cells += [f"{dn:.2f}" if dn else "-", f"{sp:.2f}" if sp else "-", f"{dn / sp:.2f}x" if dn and sp else "-"]
         lines.append(f"| {L // 1024}K | " + " | ".join(cells) + " |")
+    if "attn_prefill" in r["dense"]:
+        lines += ["", "The attention sublayer alone (MLA + indexer; the MoE FFN costs the same in both modes):", "",
+                  lines[3].replace("decode b", "attention decode b").replace("prefill", "attention prefill"), lines[4]]
+        for L in LS:
+            k = str(L)
+            cells = []
+            for what in ("attn_prefill", "attn_decode_b1", f"attn_decode_b{BATCH}"):
+                dn, sp = r["dense"][what].get(k), r["sparse"][what].get(k)
+                cells += [f"{dn:.2f}" if dn else "-", f"{sp:.2f}" if sp else "-", f"{dn / sp:.2f}x" if dn and sp else "-"]
+            lines.append(f"| {L // 1024}K | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -57,9 +67,13 @@ def plot(d, png):
         print("matplotlib is not installed: no PNG (the table and the JSON are written)", file=sys.stderr)
         return False
     r = d["us_per_token"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for ax, what, title in zip(axes, ("prefill", "decode_b1", f"decode_b{BATCH}"),
-                               ("prefill (4K chunk ending at L)", "decode, batch 1", f"decode, batch {BATCH}")):
+    rows = 2 if "attn_prefill" in r["dense"] else 1
+    fig, axes = plt.subplots(rows, 3, figsize=(13, 3.8 * rows), squeeze=False)
+    panels = [("prefill", "layer: prefill (4K chunk ending at L)"), ("decode_b1", "layer: decode, batch 1"),
+              (f"decode_b{BATCH}", f"layer: decode, batch {BATCH}")]
+    if rows == 2:
+        panels += [("attn_" + w, t.replace("layer", "attention only")) for w, t in panels]
+    for ax, (what, title) in zip(axes.flat, panels):
         for mode, style in (("dense", "o-"), ("sparse", "s-")):
             xs = [L for L in LS if str(L) in r[mode][what]]
             ax.plot([x / 1024 for x in xs], [r[mode][what][str(x)] for x in xs], style,
@@ -91,10 +105,13 @@ def main():
         if a.png:
             plot(d, a.png)
         return
+    import numpy as np
     import torch
     import triton
+    import attention
     import backend_torch
     import bench_model
+    import rope
     from model import ModelArgs, Transformer
 
     args = ModelArgs.from_config(dict(bench_model.REAL, num_hidden_layers=1, first_k_dense_replace=0, vocab_size=1024),
@@ -125,16 +142,37 @@ def main():
         torch.cuda.synchronize()
         return (time.perf_counter() - t) / reps
 
+    def attention_step(m, B, pos):  # one decode step of the attention sublayer alone, captured
+        x = torch.randn(B, 1, args.hidden_size, device="cuda", generator=gen).to(torch.bfloat16).float()
+        cap = m.caches[0].cap
+        step = lambda: attention.mla_forward(x, m.w["layers"][0]["attn"], m.caches[0], pos, cap,   # noqa: E731
+                                             m.rope_table[0][pos.reshape(1)], m.rope_table[1][pos.reshape(1)], args, m.opts)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        return g
+
     for mode in ("sparse", "dense"):
         m = Transformer(args, w, numerics="official", attention_mode=mode, ops=ops)
-        out = res[mode] = {"prefill": {}, "decode_b1": {}, f"decode_b{BATCH}": {}}
+        out = res[mode] = {k: {} for k in ("prefill", "decode_b1", f"decode_b{BATCH}",
+                                           "attn_prefill", "attn_decode_b1", f"attn_decode_b{BATCH}")}
         m.reserve(1, args.max_seq_len)
         fill(m)
         tok = torch.randint(0, args.vocab_size, (1, CHUNK), device="cuda", generator=gen)
-        for L in ls:                                     # a 4K chunk ending at L
+        x = torch.randn(1, CHUNK, args.hidden_size, device="cuda", generator=gen).to(torch.bfloat16).float()
+        for L in ls:                                     # a 4K chunk ending at L: the layer, then its attention alone
             m.cached_len = L - CHUNK
             out["prefill"][str(L)] = 1e6 * timed(lambda: m.forward(tok, start_pos=L - CHUNK), 2 if L > 32768 else 3) / CHUNK
-            print(mode, "prefill", L, f"{out['prefill'][str(L)]:.2f} us/token", flush=True)
+            cos, sin = ops.angles(*rope.rope_angles(m.freqs, np.arange(L - CHUNK, L)))
+            out["attn_prefill"][str(L)] = 1e6 * timed(lambda: attention.mla_forward(
+                x, m.w["layers"][0]["attn"], m.caches[0], L - CHUNK, L, cos, sin, args, m.opts), 2 if L > 32768 else 3) / CHUNK
+            print(mode, "prefill", L, f"{out['prefill'][str(L)]:.2f} us/token, attention {out['attn_prefill'][str(L)]:.2f}",
+                  flush=True)
         for B in (1, BATCH):
             if B > 1:
                 m.caches = None
@@ -143,10 +181,15 @@ def main():
             m.cached_len = ls[0]
             g = backend_torch.GraphDecoder(m, B, ls[0])
             nxt = torch.zeros(B, 1, dtype=torch.long, device="cuda")
+            pos = torch.full((), ls[0], dtype=torch.long, device="cuda")
+            ga = attention_step(m, B, pos)
             for L in ls:
                 out[f"decode_b{B}"][str(L)] = 1e6 * timed(lambda: g(nxt, L), 10) / B
-                print(mode, f"decode b{B}", L, f"{out[f'decode_b{B}'][str(L)]:.2f} us/token", flush=True)
-            del g
+                pos.fill_(L)
+                out[f"attn_decode_b{B}"][str(L)] = 1e6 * timed(ga.replay, 10) / B
+                print(mode, f"decode b{B}", L, f"{out[f'decode_b{B}'][str(L)]:.2f} us/token, attention "
+                      f"{out[f'attn_decode_b{B}'][str(L)]:.2f}", flush=True)
+            del g, ga
         m.caches = None
         del m
         torch.cuda.empty_cache()
@@ -157,7 +200,9 @@ def main():
     plot(d, Path(a.out) / "fig3.png")
     print(render(d))
     top = str(ls[-1])
-    for what, paper in (("prefill", PAPER["prefill"]), ("decode_b1", PAPER["decode"]), (f"decode_b{BATCH}", PAPER["decode"])):
+    for what, paper in (("prefill", PAPER["prefill"]), ("decode_b1", PAPER["decode"]), (f"decode_b{BATCH}", PAPER["decode"]),
+                        ("attn_prefill", PAPER["prefill"]), ("attn_decode_b1", PAPER["decode"]),
+                        (f"attn_decode_b{BATCH}", PAPER["decode"])):
         r = res["dense"][what][top] / res["sparse"][what][top]
         print(f"{what} at {int(top) // 1024}K: sparse is {r:.2f}x cheaper than dense (paper, whole model on H800: ~{paper}x)")
 

@@ -89,7 +89,8 @@ def test_selection_through_the_kernels_equals_the_reference(fp8, monkeypatch):
     if fp8:
         q, k = q.astype(quant.E4M3), k.astype(quant.E4M3)
     tq, tk = (torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn) if fp8 else torch.from_numpy(a) for a in (q, k))
-    idx = ops.select(tq.to(DEV), torch.from_numpy(w).to(DEV), tk.to(DEV), torch.from_numpy(ks).to(DEV), K, past)
+    args = (tq.to(DEV), torch.from_numpy(w).to(DEV), tk.to(DEV), torch.from_numpy(ks).to(DEV), K, past)
+    idx = ops.select(*args, indices=True)
     assert idx.shape == (B, T, K) and idx.dtype == torch.int32
     want = indexer.select_ref(q, w, k, ks, K, past)
     got = ops.selection_mask(idx, past, S).cpu().numpy()
@@ -97,6 +98,10 @@ def test_selection_through_the_kernels_equals_the_reference(fp8, monkeypatch):
         assert (got & want).sum() >= 0.98 * want.sum()
     else:
         np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(idx.cpu().numpy(), indexer.select_ref(q, w, k, ks, K, past, indices=True))
+    np.testing.assert_array_equal(ops.select(*args).cpu().numpy(), want)                       # the mask form
+    plain = backend_torch.torch_ops(DEV, kernels=False).select(*args, indices=True)           # no kernels
+    np.testing.assert_array_equal(plain.cpu().numpy(), indexer.select_ref(q, w, k, ks, K, past, indices=True))
 
 
 @pytest.mark.parametrize("T", [1, 6])
