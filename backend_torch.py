@@ -221,7 +221,8 @@ def torch_ops(device, kernels=True, dsa=None):
 
     def store_latent(buf, start_pos, c_kv, k_pe, B, T):  # c^KV [B, T, C], k^R [B, T, R] -> rows at start_pos
         if buf.dtype == torch.uint8:        # the official FP8 round trip's codes and scales: lossless
-            q, sc = act_quant(c_kv.reshape(B * T, -1))
+            flat = c_kv.reshape(B * T, -1)  # e4m3fn codes on every GPU (the format; kernels_rocm.latent_quant)
+            q, sc = kern.latent_quant(flat) if hasattr(kern, "latent_quant") else act_quant(flat)
             rows = torch.cat([q.view(torch.uint8), sc.float().contiguous().view(torch.uint8),
                               k_pe.reshape(B * T, -1).to(torch.bfloat16).view(torch.uint8)], -1)
         else:
@@ -438,8 +439,9 @@ def torch_ops(device, kernels=True, dsa=None):
             w, s = kern.prepare_weight(w, s)
         return quant.Weight(w, s)
 
-    def zeros(shape, fp8):
-        return torch.zeros(shape, dtype=F8 if fp8 else torch.float32, device=device)
+    def zeros(shape, fp8):  # cache storage; FP8 keys in this GPU's flavour (e4m3fnuz on gfx942)
+        f8 = kern.fp8_dtype() if hasattr(kern, "fp8_dtype") else F8
+        return torch.zeros(shape, dtype=f8 if fp8 else torch.float32, device=device)
 
     return SimpleNamespace(
         name="torch", device=device, kernels=kern,

@@ -341,68 +341,100 @@ def _bucket(hist, need):  # 256-bin histogram, rank -> (the bin holding the need
 
 
 @triton.jit
-def _topk_kernel(SCORES, OUT, CAND, POS, T, S, K, CAP, BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
-    """Reference: indexer.topk_select_ref (as indices). One program per query row.
-    1. Long rows: a threshold from a strided sample of SAMPLE scores (a rank safely above the k-th
-       largest's expected place), then one pass that lists the keys at or above it, in index order,
-       in CAND. When at least K and at most CAP keys made the list (almost always), the rest works on
-       the list; otherwise on the whole row, so the result is exact either way.
-    2. Radix select: the K-th largest key is found one 8-bit digit at a time (four 256-bin histograms
-       over the keys whose higher digits match so far).
-    3. Every key above it and the lowest-indexed keys equal to it (ties toward the lower index) are
-       written out in index order; the row is padded with -1 when it has fewer than K causal keys."""
-    row = tl.program_id(0)
-    t = row % T
-    n = tl.minimum(tl.load(POS) + t + 1, S)                            # causal keys of this query
+def _topk_list_kernel(SCORES, CAND, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
+    """Top-k, step 1, for rows of at least 4 * SAMPLE causal keys (others write count -1). One program
+    per (query row, segment of the row): a threshold from a strided sample of SAMPLE scores (its
+    r-th largest key by radix select in registers, r safely above the k-th largest's expected rank;
+    every program of a row finds the same one), then the segment's keys at or above it, listed in
+    index order in CAND[row, segment] (at most CAPS), and their count in CNT[row, segment]."""
+    row, seg, segs = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    n = tl.minimum(tl.load(POS) + row % T + 1, S)                      # causal keys of this query
     kk = tl.minimum(K, n)
     src = SCORES + row.to(tl.int64) * S
-    dst = OUT + row.to(tl.int64) * K
-    cand = CAND + row.to(tl.int64) * CAP
-    m = n                                                              # keys to select from: the row...
-    listed = tl.zeros((), tl.int32)                                    # 1: work on the list
-    if n >= 4 * SAMPLE:                                                # 1. ...or the list above a sampled threshold
+    cand = CAND + (row.to(tl.int64) * segs + seg) * CAPS
+    cnt = tl.full((), -1, tl.int32)
+    if n >= 4 * SAMPLE:
         rs = tl.arange(0, SAMPLE)
         u = _ordered_key(tl.load(src + rs.to(tl.int64) * (n // SAMPLE)))
         want = kk.to(tl.float32) * SAMPLE / n.to(tl.float32)           # the k-th largest's expected sample rank
         r = tl.minimum((want + 4.0 * tl.sqrt(want) + 8.0).to(tl.int32), SAMPLE)
-        tau = tl.zeros((), tl.int64)                                   # the r-th largest sampled key, by radix
+        tau = tl.zeros((), tl.int64)                                   # the r-th largest sampled key
         tau_mask = tl.zeros((), tl.int64)
         for p in range(4):
             hist = tl.histogram(((u >> (24 - 8 * p)) & 0xFF).to(tl.int32), 256, mask=(u & tau_mask) == tau)
             b, r = _bucket(hist, r)
             tau |= b.to(tl.int64) << (24 - 8 * p)
             tau_mask |= 0xFF << (24 - 8 * p)
+        per = (n + segs * BLOCK - 1) // (segs * BLOCK) * BLOCK         # this segment's keys: [lo, hi)
+        lo = seg * per
+        hi = tl.minimum(lo + per, n)
         cnt = tl.zeros((), tl.int32)
-        for s0 in range(0, n, BLOCK):
+        for s0 in range(lo, hi, BLOCK):
             rb = s0 + tl.arange(0, BLOCK)
-            sel = (rb < n) & (_ordered_key(tl.load(src + rb, mask=rb < n, other=0.0)) >= tau)
+            sel = (rb < hi) & (_ordered_key(tl.load(src + rb, mask=rb < hi, other=0.0)) >= tau)
             at = cnt + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            tl.store(cand + at, rb, mask=sel & (at < CAP))
+            tl.store(cand + at, rb, mask=sel & (at < CAPS))
             cnt += tl.sum(sel.to(tl.int32), axis=0)
-        listed = ((cnt >= kk) & (cnt <= CAP)).to(tl.int32)
-        m = tl.where(listed > 0, cnt, n)
+    tl.store(CNT + row * segs + seg, cnt)
+
+
+@triton.jit
+def _listed(CAND, CNT, row, j, ok, CAPS, SEGS: tl.constexpr):  # positions j of a row's joined lists -> keys
+    seg = tl.zeros_like(j)
+    start = tl.zeros_like(j)                                           # where j's segment starts in the join
+    acc = tl.zeros((), tl.int32)
+    for s in tl.static_range(SEGS - 1):
+        acc += tl.load(CNT + row * SEGS + s)
+        past = j >= acc
+        seg += past.to(tl.int32)
+        start = tl.where(past, acc, start)
+    return tl.load(CAND + (row.to(tl.int64) * SEGS + seg) * CAPS + (j - start), mask=ok, other=0)
+
+
+@triton.jit
+def _topk_kernel(SCORES, OUT, CAND, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr):
+    """Reference: indexer.topk_select_ref (as indices). Top-k, step 2, one program per query row.
+    When the row's segment lists (step 1) hold at least K keys and none overflowed (almost always),
+    work on their join (in index order); otherwise on the whole row, so the result is exact either way.
+    Radix select: the K-th largest key is found one 8-bit digit at a time (four 256-bin histograms
+    over the keys whose higher digits match so far); then every key above it and the lowest-indexed
+    keys equal to it (ties toward the lower index) are written out in index order; the row is
+    padded with -1 when it has fewer than K causal keys."""
+    row = tl.program_id(0)
+    n = tl.minimum(tl.load(POS) + row % T + 1, S)                      # causal keys of this query
+    kk = tl.minimum(K, n)
+    src = SCORES + row.to(tl.int64) * S
+    dst = OUT + row.to(tl.int64) * K
+    total = tl.zeros((), tl.int32)
+    fits = tl.full((), 1, tl.int32)
+    for s in tl.static_range(SEGS):
+        c = tl.load(CNT + row * SEGS + s)
+        total += c
+        fits = fits & ((c >= 0) & (c <= CAPS)).to(tl.int32)
+    listed = fits & (total >= kk).to(tl.int32)                         # 1: work on the lists
+    m = tl.where(listed > 0, total, n)                                 # keys to select from
     prefix = tl.zeros((), tl.int64)
     hi_mask = tl.zeros((), tl.int64)
     need = kk.to(tl.int32)
-    for p in range(4):                                                 # 2. radix select, most significant digit first
+    for p in range(4):                                                 # radix select, most significant digit first
         shift = 24 - 8 * p
         hist = tl.zeros((256,), tl.int32)
         for s0 in range(0, m, BLOCK):
             rb = s0 + tl.arange(0, BLOCK)
-            at = tl.where(listed > 0, tl.load(cand + rb, mask=rb < m * listed, other=0), rb)
+            at = tl.where(listed > 0, _listed(CAND, CNT, row, rb, rb < m * listed, CAPS, SEGS), rb)
             u = _ordered_key(tl.load(src + at, mask=rb < m, other=0.0))
             ok = (rb < m) & ((u & hi_mask) == prefix)
             hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=ok)
         b, need = _bucket(hist, need)
         prefix |= b.to(tl.int64) << shift
         hi_mask |= 0xFF << shift
-    # 3. prefix is now the K-th largest key: take all keys above it and the first `need` equal to it
+    # prefix is now the K-th largest key: take all keys above it and the first `need` equal to it
     base = tl.zeros((), tl.int32)
     taken_eq = tl.zeros((), tl.int32)
     for s0 in range(0, m, BLOCK):
         rb = s0 + tl.arange(0, BLOCK)
         ok = rb < m
-        at = tl.where(listed > 0, tl.load(cand + rb, mask=rb < m * listed, other=0), rb)
+        at = tl.where(listed > 0, _listed(CAND, CNT, row, rb, rb < m * listed, CAPS, SEGS), rb)
         u = _ordered_key(tl.load(src + at, mask=ok, other=0.0))
         eq = ok & (u == prefix)
         eq_rank = taken_eq + tl.cumsum(eq.to(tl.int32), axis=0)        # 1-based rank among equal keys, in index order
@@ -416,17 +448,22 @@ def _topk_kernel(SCORES, OUT, CAND, POS, T, S, K, CAP, BLOCK: tl.constexpr, SAMP
         tl.store(dst + rk, tl.full((BLOCK,), -1, tl.int32), mask=(rk >= kk) & (rk < K))
 
 
-def topk_indices(scores, K, start_pos, block=2048, num_warps=8, sample=2048, cap=None):
+def topk_indices(scores, K, start_pos, block=2048, num_warps=8, sample=2048, cap=None, segments=None, programs=264):
     """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
     causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K.
-    Rows of at least 4 * sample keys first list the keys above a sampled threshold (at most cap)."""
+    Rows of at least 4 * sample keys first list the keys above a sampled threshold, in `segments`
+    pieces per row (enough programs to fill the GPU for a few rows), each list at most cap keys."""
     B, T, S = scores.shape
-    out = torch.empty(B, T, K, dtype=torch.int32, device=scores.device)
-    cap = cap or 4 * K + 1024                                          # room for the sampled threshold's list
+    rows = B * T
+    segs = segments or max(1, min(8, programs // rows))
+    caps = cap or 2 * (4 * K + 1024) // segs                           # room for the sampled threshold's list
     block = max(16, min(block, triton.next_power_of_2(S)))
-    cand = torch.empty(B * T, cap, dtype=torch.int32, device=scores.device)
-    _topk_kernel[(B * T,)](scores.float().contiguous(), out, cand, _pos_tensor(start_pos, scores.device), T, S, K,
-                           cap, BLOCK=block, SAMPLE=sample, num_warps=num_warps)
+    scores, pos = scores.float().contiguous(), _pos_tensor(start_pos, scores.device)
+    out = torch.empty(B, T, K, dtype=torch.int32, device=scores.device)
+    cand = torch.empty(rows * segs, caps, dtype=torch.int32, device=scores.device)
+    cnt = torch.empty(rows, segs, dtype=torch.int32, device=scores.device)
+    _topk_list_kernel[(rows, segs)](scores, cand, cnt, pos, T, S, K, caps, BLOCK=block, SAMPLE=sample, num_warps=num_warps)
+    _topk_kernel[(rows,)](scores, out, cand, cnt, pos, T, S, K, caps, BLOCK=block, SEGS=segs, num_warps=num_warps)
     return out
 
 
@@ -567,6 +604,30 @@ def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, S
     tl.store(LSE + part, lse, mask=hm)
 
 
+@triton.jit
+def _mla_combine_kernel(O_PART, LSE_PART, O, LSE, H, SPLITS, C: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The splits of one query's heads -> its output: o = sum_s 2^(lse_s - lse) o_s, lse = log2 sum_s 2^lse_s
+    (a query with no keys anywhere: o = 0, lse = -inf)."""
+    bt, hb = tl.program_id(0), tl.program_id(1)
+    rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = rh < H
+    rc = tl.arange(0, C)
+    base = bt.to(tl.int64) * SPLITS * H
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    for sp in range(0, SPLITS):
+        m = tl.maximum(m, tl.load(LSE_PART + base + sp * H + rh, mask=hm, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, C), tl.float32)
+    for sp in range(0, SPLITS):
+        wt = tl.exp2(tl.load(LSE_PART + base + sp * H + rh, mask=hm, other=float("-inf")) - m_safe)
+        l += wt
+        acc += wt[:, None] * tl.load(O_PART + (base + sp * H + rh)[:, None] * C + rc[None, :], mask=hm[:, None], other=0.0)
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(O + (bt.to(tl.int64) * H + rh)[:, None] * C + rc[None, :], o.to(O.dtype.element_ty), mask=hm[:, None])
+    tl.store(LSE + bt.to(tl.int64) * H + rh, tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf")), mask=hm)
+
+
 def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, block_h, block_n, num_warps,
                 num_stages, decode, q_in_loop=False):
     B, T, H, C = qa.shape
@@ -605,9 +666,10 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
         T, H, ksel, L, per, scale * 1.4426950408889634, C=C, R=R, GW=min(128, C // 2), BLOCK_H=block_h, BLOCK_N=block_n,
         PACKED=packed, DENSE=dense, DOT=dot, DECODE=decode, QLOOP=q_in_loop, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:                                     # combine the splits by their log-sum-exp
-        w = torch.softmax(lse * 0.6931471805599453, dim=1).nan_to_num(0.0)     # all -inf (no keys): 0
-        o = (o * w[..., None]).sum(1, keepdim=True).to(out_dtype)
-        lse = torch.logsumexp(lse * 0.6931471805599453, dim=1, keepdim=True) * 1.4426950408889634
+        o_part, lse_part = o, lse
+        o = torch.empty(B * T, H, C, dtype=out_dtype, device=qa.device)
+        lse = torch.empty(B * T, H, dtype=torch.float32, device=qa.device)
+        _mla_combine_kernel[(B * T, triton.cdiv(H, 16))](o_part, lse_part, o, lse, H, splits, C=C, BLOCK_H=16, num_warps=4)
     return o.reshape(B, T, H, C), lse.reshape(B, T, H)
 
 

@@ -1,12 +1,15 @@
-"""The fast path's kernels for AMD GPUs (ROCm): act_quant, fp8_gemm and moe_gemm under the same names
-as in kernels_cuda.py, from the same Triton sources, with what differs by architecture kept as data
-below (the DSA kernels have no ROCm variant yet).
+"""The fast path's kernels for AMD GPUs (ROCm): act_quant, fp8_gemm, moe_gemm and the DSA kernels
+(index_scores, topk_indices, sparse_mla_decode, sparse_mla_prefill) under the same names as in
+kernels_cuda.py, from the same Triton sources, with what differs by architecture kept as data below.
 
     gfx942 (MI300/MI325)  e4m3fnuz, maximum 240: checkpoint e4m3fn bytes are reinterpreted as e4m3fnuz
-                          with the scale doubled (0x80, -0 in e4m3fn, is NaN in e4m3fnuz: mapped to 0)
+                          with the scale doubled (0x80, -0 in e4m3fn, is NaN in e4m3fnuz: mapped to 0);
+                          the indexer's FP8 q and key cache are e4m3fnuz (native MMA); the packed latent
+                          cache keeps the e4m3fn format of spec/kernels.md §3.4, decoded from its bytes
     gfx950 (MI350/MI355)  e4m3fn (OCP), maximum 448, as on NVIDIA
-    gfx90a (MI200/MI250)  no FP8 hardware: the GEMM decodes FP8 bytes to fp16 inside the kernel;
-                          act_quant runs in torch (no FP8 store in Triton there)
+    gfx90a (MI200/MI250)  no FP8 hardware: the GEMMs and the indexer decode FP8 bytes to fp16 inside the
+                          kernel, the sparse MLA decodes the latent bytes; act_quant runs in torch (no
+                          FP8 store in Triton there)
 
 No AMD GPU was available to this project: these paths are checked in the Triton CPU interpreter
 (tests/test_kernels.py) and by reading, not on hardware.
@@ -15,10 +18,11 @@ import torch
 
 import kernels_cuda as _k
 
-ARCHS = {  # gfx name -> FP8 storage dtype, its maximum, decode in-kernel (no FP8 hardware)
-    "gfx942": dict(fp8=torch.float8_e4m3fnuz, fp8_max=240.0, decode=False, fnuz=True),
-    "gfx950": dict(fp8=torch.float8_e4m3fn, fp8_max=448.0, decode=False, fnuz=False),
-    "gfx90a": dict(fp8=torch.float8_e4m3fn, fp8_max=448.0, decode=True, fnuz=False),
+ARCHS = {  # gfx name -> FP8 storage dtype, its maximum, decode in-kernel (no FP8 hardware), decode the
+           # packed latent's e4m3fn bytes by integer arithmetic (no native OCP FP8 conversion)
+    "gfx942": dict(fp8=torch.float8_e4m3fnuz, fp8_max=240.0, decode=False, fnuz=True, latent_decode=True),
+    "gfx950": dict(fp8=torch.float8_e4m3fn, fp8_max=448.0, decode=False, fnuz=False, latent_decode=False),
+    "gfx90a": dict(fp8=torch.float8_e4m3fn, fp8_max=448.0, decode=True, fnuz=False, latent_decode=True),
 }
 
 ROCM_GEMM_CONFIGS = [  # (max M, BLOCK_M, BLOCK_N, num_warps, num_stages); wave64: fewer, wider warps
@@ -62,3 +66,36 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, arch=None):
 def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, arch=None):
     cfg = ARCHS[arch or current_arch()]
     return _k.moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=out_dtype, decode=cfg["decode"], fnuz=cfg["fnuz"])
+
+
+# -----------------------------------------------------------------------------
+# DSA kernels: the FP8 flavour of the indexer and the packed latent's decoding, per architecture
+
+latent_width = _k.latent_width
+topk_indices = _k.topk_indices                  # scores are fp32: nothing differs by architecture
+
+
+def fp8_dtype(arch=None):  # what the indexer's FP8 key cache holds on this architecture
+    return ARCHS[arch or current_arch()]["fp8"]
+
+
+def latent_quant(x, arch=None):  # the packed latent rows hold e4m3fn codes (the format) on every architecture
+    a = ARCHS[arch or current_arch()]
+    if a["fnuz"] or a["decode"]:
+        import backend_torch
+        return backend_torch.act_quant_torch(x)
+    return _k.act_quant(x)
+
+
+def index_scores(q, w, k, k_scale, start_pos, arch=None, **tiles):
+    a = ARCHS[arch or current_arch()]
+    return _k.index_scores(q, w, k, k_scale, start_pos, decode=a["decode"] and q.dtype != torch.float32,
+                           fnuz=a["fnuz"], **tiles)
+
+
+def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, arch=None, **kw):
+    return _k.sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, decode=ARCHS[arch or current_arch()]["latent_decode"], **kw)
+
+
+def sparse_mla_prefill(qa, q_pe, cache, idx, scale, start_pos, arch=None, **kw):
+    return _k.sparse_mla_prefill(qa, q_pe, cache, idx, scale, start_pos, decode=ARCHS[arch or current_arch()]["latent_decode"], **kw)

@@ -100,6 +100,54 @@ def test_rocm_kernels(arch, M, N, K, seed):
     assert np.abs(got.cpu().numpy() - ref).max() <= 2.0 ** -13 * (K // 128) * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx90a"])
+def test_rocm_dsa_kernels(arch):
+    """The DSA kernels with each AMD architecture's data, against the references: the indexer's FP8 in
+    the arch's flavour (fnuz on gfx942; bytes decoded to fp16 on gfx90a), the packed latent's e4m3fn
+    codes quantized by latent_quant and read natively or decoded from their bytes."""
+    if HAS_CUDA and not torch.version.hip:
+        pytest.skip("ROCm variants run in the interpreter (or on an AMD GPU)")
+    import indexer
+    rng = np.random.default_rng(11)
+    B, T, J, D, past, K = 1, 3, 16, 128, 37, 8
+    S = past + T
+    fnuz = kernels_rocm.ARCHS[arch]["fnuz"]
+    assert kernels_rocm.fp8_dtype(arch) == (torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn)
+    flavour = quant.E4M3FNUZ if fnuz else quant.E4M3
+    q, k = (rng.standard_normal(sh).astype(flavour) for sh in ((B, T, J, D), (B, S, D)))
+    w, ks = rng.standard_normal((B, T, J)).astype(np.float32), np.exp2(rng.integers(-2, 2, (B, S))).astype(np.float32)
+    dt = kernels_rocm.fp8_dtype(arch)
+    got = kernels_rocm.index_scores(t8(q, dt), torch.from_numpy(w).to(DEV), t8(k, dt), torch.from_numpy(ks).to(DEV),
+                                    past, arch=arch).cpu().numpy()
+    ref = indexer.index_scores_ref(q, w, k, ks)
+    causal = indexer.causal_ref(T, past)[None]
+    assert np.abs(np.where(causal, got - ref, 0)).max() <= 1e-6 * np.abs(ref).max()
+    idx = kernels_rocm.topk_indices(torch.from_numpy(ref).to(DEV), K, past).cpu().numpy()
+    np.testing.assert_array_equal(idx, indexer.selection_indices_ref(indexer.topk_select_ref(ref, K, past), K))
+    # sparse MLA over packed rows whose codes come from latent_quant
+    H, C, R = 16, 128, 32
+    kv = quant.bf16_round(rng.standard_normal((B, S, C)) * 3)
+    pe = quant.bf16_round(rng.standard_normal((B, S, R)))
+    cq, cs = kernels_rocm.latent_quant(torch.from_numpy(kv.reshape(-1, C)).to(DEV), arch=arch)
+    assert cq.dtype == torch.float8_e4m3fn
+    rows = torch.cat([cq.view(torch.uint8), cs.float().contiguous().view(torch.uint8),
+                      torch.from_numpy(pe.reshape(-1, R)).to(DEV).to(torch.bfloat16).view(torch.uint8)], -1).reshape(B, S, -1)
+    codes = cq.view(torch.uint8).cpu().numpy().view(quant.E4M3)            # the rows' values, decoded by ml_dtypes
+    kv_vals = quant.act_dequant(codes, cs.float().cpu().numpy()).reshape(B, S, C).astype(np.float64)
+    qa = quant.bf16_round(rng.standard_normal((B, T, H, C))).astype(np.float64)
+    qp = quant.bf16_round(rng.standard_normal((B, T, H, R))).astype(np.float64)
+    tq = [torch.from_numpy(a.astype(np.float32)).to(DEV) for a in (qa, qp)]
+    for fn in (kernels_rocm.sparse_mla_decode, kernels_rocm.sparse_mla_prefill):
+        o, _ = fn(*tq, rows, torch.from_numpy(idx).to(DEV), 0.1, past, arch=arch, out_dtype=torch.float32)
+        o = o.cpu().numpy()
+        for t in range(T):
+            sel = idx[0, t][idx[0, t] >= 0]
+            z = (qa[0, t] @ kv_vals[0, sel].T + qp[0, t] @ pe[0, sel].T) * 0.1
+            p = np.exp(z - z.max(1, keepdims=True))
+            want = (p / p.sum(1, keepdims=True)) @ kv_vals[0, sel]
+            assert np.abs(o[0, t] - want).max() <= 2.0 ** -8 * np.abs(kv_vals).max(), (fn.__name__, t)
+
+
 def test_e4m3_decode_matches_every_code():
     # the in-kernel decoder of the no-FP8 path, through a GEMM against the identity: all 256 codes
     codes = np.arange(256, dtype=np.uint8)
@@ -264,12 +312,13 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
 
 @settings(max_examples=16)
 @given(st.integers(1, 2), st.integers(1, 4), st.integers(0, 150), st.integers(1, 40), st.sampled_from(["normal", "ties", "equal"]),
-       st.sampled_from([16, 64]), st.sampled_from([(2048, None), (16, None), (16, 1)]), st.integers(0, 2 ** 31))
-def test_topk_kernel(B, T, past, K, values, block, sample_cap, seed):
+       st.sampled_from([16, 64]), st.sampled_from([(2048, None), (16, None), (16, 1)]), st.sampled_from([None, 1, 3]),
+       st.integers(0, 2 ** 31))
+def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, seed):
     """Exact top-k as sets against topk_select_ref: contexts shorter than k, exactly k (past + t + 1 =
     K happens), one token; many ties (rounded scores, +0 and -0), a row of one repeated value, -inf.
-    A small sample puts rows of >= 64 keys on the sampled-threshold list; a list capacity of 1 forces
-    the fall-back to the whole row there."""
+    A small sample puts rows of >= 64 keys on the sampled-threshold lists (in 1 or 3 segments per row,
+    or as many as fill the GPU); a list capacity of 1 forces the fall-back to the whole row there."""
     sample, cap = sample_cap
     import indexer
     rng = np.random.default_rng(seed)
@@ -280,7 +329,8 @@ def test_topk_kernel(B, T, past, K, values, block, sample_cap, seed):
     elif values == "equal":
         I[:] = np.float32(rng.standard_normal())                   # every causal key tied
     I[0, 0, 0] = -np.inf                                            # a masked key among the causal ones
-    got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), K, past, block=block, sample=sample, cap=cap).cpu().numpy()
+    got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), K, past, block=block, sample=sample, cap=cap,
+                                     segments=segments).cpu().numpy()
     want = indexer.topk_select_ref(I, K, past)                      # [B, T, S] bool, ties toward the lower index
     for b in range(B):
         for t in range(T):
