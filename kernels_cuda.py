@@ -292,7 +292,13 @@ def _index_scores_kernel(Q, W, K, KS, OUT, POS, T, S, J, SPLIT,
         tl.store(out + rn[:, None], tl.full((BLOCK_N, BQ), float("-inf"), tl.float32), mask=row_ok & (rn < hi)[:, None])
 
 
-def index_scores(q, w, k, k_scale, start_pos, block_n=64, num_warps=4, num_stages=3, programs=264, bq=None,
+INDEX_TILES = {  # measured best on the H200 (bench/bench_dsa.py): many query rows / a few decode rows
+    "prefill": dict(block_n=64, num_warps=4, num_stages=4),
+    "decode": dict(block_n=128, num_warps=8, num_stages=3),
+}
+
+
+def index_scores(q, w, k, k_scale, start_pos, block_n=None, num_warps=None, num_stages=None, programs=264, bq=None,
                  decode=False, fnuz=False):
     """q [B, T, J, D] (FP8 or float32), w [B, T, J] f32, k [B, S, D] (q's dtype), k_scale [B, S] f32,
     start_pos (int or device tensor) -> [B, T, S] f32 scores, -inf at keys after each query's position
@@ -309,6 +315,8 @@ def index_scores(q, w, k, k_scale, start_pos, block_n=64, num_warps=4, num_stage
     if decode:                                                         # bytes, decoded in the kernel
         q, k = q.view(torch.uint8), k.view(torch.uint8)
     out = torch.empty(B, T, S, dtype=torch.float32, device=q.device)
+    tiles = INDEX_TILES["prefill" if T >= 16 else "decode"]
+    block_n, num_warps, num_stages = block_n or tiles["block_n"], num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
     jp = triton.next_power_of_2(J)
     block_n = max(16, min(block_n, triton.next_power_of_2(S)))
     bq = bq or max(16 // jp, min(max(128 // jp, 1), triton.next_power_of_2(T)), 1)   # BQ * JP rows: 16..128
@@ -448,7 +456,7 @@ def _topk_kernel(SCORES, OUT, CAND, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr
         tl.store(dst + rk, tl.full((BLOCK,), -1, tl.int32), mask=(rk >= kk) & (rk < K))
 
 
-def topk_indices(scores, K, start_pos, block=2048, num_warps=8, sample=2048, cap=None, segments=None, programs=264):
+def topk_indices(scores, K, start_pos, block=4096, num_warps=16, sample=2048, cap=None, segments=None, programs=264):
     """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
     causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K.
     Rows of at least 4 * sample keys first list the keys above a sampled threshold, in `segments`
@@ -674,7 +682,7 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
 
 
 def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=None, out_dtype=torch.float32,
-                      block_h=None, block_n=64, num_warps=8, num_stages=2, decode=False, q_in_loop=False):
+                      block_h=None, block_n=64, num_warps=8, num_stages=1, decode=False, q_in_loop=False):
     """qa [B, T, H, C] (the query absorbed into the latent space, q^C W^UK), q_pe [B, T, H, R], cache
     [>=B, L, W] one row per token (packed FP8 uint8 rows of latent_width(C, R) bytes, or bf16 / float32
     [C + R]), idx [B, T, K] selected positions or None (dense: every position <= start_pos + t, S
