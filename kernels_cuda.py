@@ -456,7 +456,7 @@ def _topk_kernel(SCORES, OUT, CAND, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr
         tl.store(dst + rk, tl.full((BLOCK,), -1, tl.int32), mask=(rk >= kk) & (rk < K))
 
 
-def topk_indices(scores, K, start_pos, block=4096, num_warps=16, sample=2048, cap=None, segments=None, programs=264):
+def topk_indices(scores, K, start_pos, block=2048, num_warps=8, sample=2048, cap=None, segments=None, programs=264):
     """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
     causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K.
     Rows of at least 4 * sample keys first list the keys above a sampled threshold, in `segments`

@@ -39,9 +39,12 @@ IDX_DECODE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n, w, st i
                       [(64, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 3), (64, 4, 5), (256, 4, 3)]]
 TOPK_CONFIGS = [dict(block=b, num_warps=w) for b, w in [(2048, 8), (1024, 4), (4096, 16), (2048, 16), (1024, 8)]]
 MLA_CONFIGS = [dict(block_h=h, block_n=n, num_warps=w, num_stages=st, q_in_loop=ql) for h, n, w, st, ql in
-               [(64, 64, 8, 2, False), (64, 64, 8, 1, False), (64, 32, 8, 2, False), (32, 64, 8, 2, False),
-                (32, 64, 4, 3, False), (16, 64, 4, 3, False), (64, 64, 8, 2, True), (64, 64, 8, 3, True),
-                (64, 32, 4, 3, True), (32, 64, 4, 3, True)]]
+               [(64, 64, 8, 2, False), (64, 64, 8, 1, False), (64, 32, 8, 2, False), (32, 64, 4, 3, False),
+                (64, 64, 8, 2, True), (64, 32, 4, 3, True), (128, 64, 16, 2, False), (128, 32, 8, 2, False),
+                (128, 64, 16, 1, True), (128, 32, 16, 2, False)]]
+MLA_B1_CONFIGS = [dict(c, splits=sp) for sp in (8, 16, 32) for c in
+                  (dict(block_h=64, block_n=64, num_warps=8, num_stages=1), dict(block_h=64, block_n=32, num_warps=4, num_stages=1),
+                   dict(block_h=128, block_n=32, num_warps=8, num_stages=1), dict(block_h=32, block_n=32, num_warps=4, num_stages=1))]
 
 
 def render(meta, rows):
@@ -188,7 +191,10 @@ def main():
         qa, qp = randn(B, 1, H, C, dtype=torch.bfloat16), randn(B, 1, H, R, dtype=torch.bfloat16)
         idx = selection(B, 1, L, K)
         fn = lambda **c: kernels_cuda.sparse_mla_decode(qa, qp, cache, idx, scale, L - 1, **c)
-        ms, cfg = best(fn, MLA_CONFIGS, True) if cfg is None else (timed(lambda: fn(**cfg), True), cfg)
+        if B == 1:                                     # latency: its own sweep, splits included
+            ms, c1 = best(fn, MLA_B1_CONFIGS, True)
+        else:
+            ms, cfg = best(fn, MLA_CONFIGS, True) if cfg is None else (timed(lambda: fn(**cfg), True), cfg)
         kvb, peb = kv.reshape(B, L, C).bfloat16(), pe.reshape(B, L, R).bfloat16()
 
         def dense():  # the dense absorbed attention over all L keys, in torch
@@ -196,7 +202,7 @@ def main():
             return torch.einsum("bhl,blc->bhc", torch.softmax(z, -1).bfloat16(), kvb)
         base = timed(dense, True) if B * L <= 64 * 32768 else None
         rows.append(dict(kernel=f"sparse MLA decode ({fmt} cache)", shape=f"B={B} L={L} topk={K}", ms=ms, baseline_ms=base,
-                         flops=2 * B * H * K * (C + R + C), config=cfg))
+                         flops=2 * B * H * K * (C + R + C), config=c1 if B == 1 else cfg))
         del cache, kv, pe, kvb, peb
     cfg = None
     for T, L in [(4096, 16384), (4096, 8192), (4096, 65536), (4096, 4096)] if not smoke else [(8, 40)]:
