@@ -235,18 +235,19 @@ def torch_ops(device, kernels=True, dsa=None):
         chunks go through PyTorch's fused attention in the MHA form instead (dense_prefill)."""
         H, N, V, C = args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim, args.kv_lora_rank
         dt = torch.bfloat16 if latent.dtype == torch.uint8 else torch.float32   # official: bf16 operands
-        if "wkv_b_kernels" not in p:                                     # W^UK | W^UV per head, once
-            p["wkv_b_kernels"] = rnd(dequant(p["wkv_b"])).reshape(H, N + V, C).to(dt)
-        Wb = p["wkv_b_kernels"]
+        if "wkv_b_kernels" not in p:                                     # W^UK [H, N, C], W^UV [H, V, C], once
+            Wb = rnd(dequant(p["wkv_b"])).reshape(H, N + V, C).to(dt)
+            p["wkv_b_kernels"] = (Wb[:, :N].contiguous(), Wb[:, N:].contiguous())   # no copy per call
+        W_UK, W_UV = p["wkv_b_kernels"]
         B, T = q_nope.shape[:2]
         if sel is None and T > 1:
             return dense_prefill(q_nope, q_pe, latent, p, start_pos, S, args, rnd, dt)
-        qa = rnd(torch.einsum("bthn,hnc->bthc", q_nope.to(dt), Wb[:, :N]).float())     # [B, T, H, C]
+        qa = rnd(torch.einsum("bthn,hnc->bthc", q_nope.to(dt), W_UK).float())          # [B, T, H, C]
         many = B * T * -(-H // 64) >= 132                                # enough programs without splits
         fn = dsa.sparse_mla_prefill if many else dsa.sparse_mla_decode
         o, _ = fn(qa.to(dt), q_pe.to(dt), latent, sel, args.softmax_scale, start_pos, S=S, out_dtype=dt)
         o = rnd(o.float())                                               # weighted latent
-        return rnd(torch.einsum("bthc,hvc->bthv", o.to(dt), Wb[:, N:]).float())
+        return rnd(torch.einsum("bthc,hvc->bthv", o.to(dt), W_UV).float())
 
     def dense_prefill(q_nope, q_pe, latent, p, start_pos, S, args, rnd, dt):
         """Dense attention of a prefill chunk, MHA form: expand the cached latent with W^UKV, then

@@ -613,27 +613,35 @@ def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, S
 
 
 @triton.jit
-def _mla_combine_kernel(O_PART, LSE_PART, O, LSE, H, SPLITS, C: tl.constexpr, BLOCK_H: tl.constexpr):
+def _mla_combine_kernel(O_PART, LSE_PART, O, LSE, POS, T, H, SPLITS, SPLIT, KSEL, C: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, DENSE: tl.constexpr):
     """The splits of one query's heads -> its output: o = sum_s 2^(lse_s - lse) o_s, lse = log2 sum_s 2^lse_s
-    (a query with no keys anywhere: o = 0, lse = -inf)."""
-    bt, hb = tl.program_id(0), tl.program_id(1)
+    (a query with no keys anywhere: o = 0, lse = -inf). Only the splits that can hold entries of the
+    query (up to its position + 1, or K) are read. One program per (query, heads, BLOCK_C columns)."""
+    bt, hb, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = rh < H
-    rc = tl.arange(0, C)
+    rc = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     base = bt.to(tl.int64) * SPLITS * H
+    n = tl.load(POS) + bt % T + 1                                      # entries this query can have
+    if not DENSE:
+        n = tl.minimum(n, KSEL)
+    live = tl.minimum((n + SPLIT - 1) // SPLIT, SPLITS)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for sp in range(0, SPLITS):
+    for sp in range(0, live):
         m = tl.maximum(m, tl.load(LSE_PART + base + sp * H + rh, mask=hm, other=float("-inf")))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     l = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, C), tl.float32)
-    for sp in range(0, SPLITS):
+    acc = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
+    for sp in range(0, live):
         wt = tl.exp2(tl.load(LSE_PART + base + sp * H + rh, mask=hm, other=float("-inf")) - m_safe)
         l += wt
         acc += wt[:, None] * tl.load(O_PART + (base + sp * H + rh)[:, None] * C + rc[None, :], mask=hm[:, None], other=0.0)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(O + (bt.to(tl.int64) * H + rh)[:, None] * C + rc[None, :], o.to(O.dtype.element_ty), mask=hm[:, None])
-    tl.store(LSE + bt.to(tl.int64) * H + rh, tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf")), mask=hm)
+    if cb == 0:
+        tl.store(LSE + bt.to(tl.int64) * H + rh, tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf")),
+                 mask=hm)
 
 
 def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, block_h, block_n, num_warps,
@@ -677,7 +685,10 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
         o_part, lse_part = o, lse
         o = torch.empty(B * T, H, C, dtype=out_dtype, device=qa.device)
         lse = torch.empty(B * T, H, dtype=torch.float32, device=qa.device)
-        _mla_combine_kernel[(B * T, triton.cdiv(H, 16))](o_part, lse_part, o, lse, H, splits, C=C, BLOCK_H=16, num_warps=4)
+        bc = min(C, 128)
+        _mla_combine_kernel[(B * T, triton.cdiv(H, 8), C // bc)](o_part, lse_part, o, lse, _pos_tensor(start_pos, qa.device),
+                                                                 T, H, splits, per, ksel, C=C, BLOCK_H=8, BLOCK_C=bc,
+                                                                 DENSE=dense, num_warps=4)
     return o.reshape(B, T, H, C), lse.reshape(B, T, H)
 
 

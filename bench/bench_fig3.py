@@ -47,7 +47,7 @@ def render(d):
         lines.append(f"| {L // 1024}K | " + " | ".join(cells) + " |")
     if "attn_prefill" in r["dense"]:
         lines += ["", "The attention sublayer alone (MLA + indexer; the MoE FFN costs the same in both modes):", "",
-                  lines[3].replace("decode b", "attention decode b").replace("prefill", "attention prefill"), lines[4]]
+                  lines[2].replace("decode b", "attention decode b").replace("prefill", "attention prefill"), lines[3]]
         for L in LS:
             k = str(L)
             cells = []
@@ -98,6 +98,8 @@ def main():
     ap.add_argument("--render", help="print the table of a stored fig3.json (and --png FILE: plot it)")
     ap.add_argument("--png")
     ap.add_argument("--max-l", type=int, default=LS[-1], help="largest L to measure (default 128K)")
+    ap.add_argument("--profile", action="store_true", help="only print the GPU kernels of one batch-1 decode step "
+                    "of the attention sublayer, sparse and dense (torch.profiler)")
     a = ap.parse_args()
     if a.render:
         d = json.loads(Path(a.render).read_text())
@@ -155,8 +157,29 @@ def main():
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             step()
-        return g
+        return g, step
 
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+        for mode in ("sparse", "dense"):
+            m = Transformer(args, w, numerics="official", attention_mode=mode, ops=ops)
+            m.reserve(1, args.max_seq_len)
+            fill(m)
+            m.cached_len = ls[-1]
+            m.rope_table = ops.angles(*rope.rope_angles(m.freqs, np.arange(m.caches[0].cap)))
+            pos = torch.full((), ls[-1], dtype=torch.long, device="cuda")
+            ga, step = attention_step(m, 1, pos)
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            print(f"--- {mode}, attention sublayer, batch 1, L = {ls[-1]}")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+            del ga, m
+            torch.cuda.empty_cache()
+        return
     for mode in ("sparse", "dense"):
         m = Transformer(args, w, numerics="official", attention_mode=mode, ops=ops)
         out = res[mode] = {k: {} for k in ("prefill", "decode_b1", f"decode_b{BATCH}",
@@ -182,7 +205,7 @@ def main():
             g = backend_torch.GraphDecoder(m, B, ls[0])
             nxt = torch.zeros(B, 1, dtype=torch.long, device="cuda")
             pos = torch.full((), ls[0], dtype=torch.long, device="cuda")
-            ga = attention_step(m, B, pos)
+            ga, _ = attention_step(m, B, pos)
             for L in ls:
                 out[f"decode_b{B}"][str(L)] = 1e6 * timed(lambda: g(nxt, L), 10) / B
                 pos.fill_(L)
