@@ -11,6 +11,8 @@ Two formulations of one attention (official code's split, spec/dsv32.md §3.7-3.
 - absorbed MQA mode (single-token decode): fold W^UK into the query and W^UV after the weighted sum,
   so attention runs against the latent cache itself (one "KV head" of width r_kv + R).
 They agree in exact arithmetic; in official numerics they round differently (both reproduced).
+On a GPU with the DSA kernels (opts.fused) the absorbed form serves every chunk, over the selected
+rows of a packed latent cache (backend_torch.latent_attention), as deployed engines run it.
 
 Letters: B batch, T query tokens, S keys (start_pos + T), H heads, C = r_kv latent width,
 N = qk_nope_head_dim, R = qk_rope_head_dim, V = v_head_dim.

@@ -7,9 +7,12 @@ per weight plus the 128x128 block scales).
 
 On a CUDA or ROCm GPU the hot ops go to Triton kernels (kernels_cuda.py / kernels_rocm.py):
 act_quant, the block-scaled FP8 GEMM and the grouped expert GEMM (experts stacked per layer, routed
-on the device). On the CPU, and for ops without a kernel yet, plain torch computes what the
-reference computes (FP8 products in float64, which holds them exactly). GraphDecoder, at the end,
-replays decode steps from a captured CUDA graph.
+on the device), and DSA (fused = True): the selection as [B, T, K] indices (select), one packed
+row per token of latent cache (latent_cache, store_latent, unpack_latent), the absorbed attention
+over the selected rows for every chunk length (latent_attention; dense prefill through PyTorch's
+scaled_dot_product_attention, dense_prefill). On the CPU, and for ops without a kernel, plain torch
+computes what the reference computes (FP8 products in float64, which holds them exactly).
+GraphDecoder, at the end, replays decode steps from a captured CUDA graph.
 """
 from types import SimpleNamespace
 

@@ -11,7 +11,9 @@ Numerics, set at load time:
   (what transformers computes): the mode for oracle work.
 
 Backends: every numerical op goes through one op table, NUMPY_OPS here (the _ref functions, the
-definition of the model) or backend_torch.torch_ops(device); the wiring below is written once.
+definition of the model) or backend_torch.torch_ops(device); the wiring below is written once. A
+table with the GPU's DSA kernels (ops.fused) keeps selections as indices and the latent cache as
+packed rows (LayerCache), which attention.mla_forward routes through its one fused branch.
 
 Letters: B batch, T new tokens, S = start_pos + T keys, d hidden_size, V vocab_size.
 """

@@ -197,6 +197,21 @@ def test_benchmark_tables_render_from_the_stored_runs():
     assert all(line in results for line in lines[2:])
 
 
+def test_dsa_and_figure3_tables_render_from_the_stored_runs():
+    import json
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_dsa
+    import bench_fig3
+    results = (ROOT / "bench" / "RESULTS.md").read_text()
+    d = json.loads((ROOT / "bench" / "dsa_h200_2026-11-30.json").read_text())
+    table = bench_dsa.render(d["meta"], d["rows"]).splitlines()
+    assert "NVIDIA H200" in table[0] and len(table) == 4 + len(d["rows"])
+    assert all(line in results for line in table[2:])
+    f = json.loads((ROOT / "bench" / "fig3_h200_2026-11-30.json").read_text())
+    assert all(line in results for line in bench_fig3.render(f).splitlines()[2:])
+    assert (ROOT / "bench" / "fig3_h200_2026-11-30.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_dsa_benchmark_script_runs(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_dsa.py"), "--smoke", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
