@@ -380,12 +380,16 @@ class Transformer:
 
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics="official", attention="sparse", indexer=None,
-                        max_seq_len=None, device=None, progress=None, probe=True, n_layers=None):
+                        max_seq_len=None, device=None, progress=None, probe=True, n_layers=None, parallel=None):
         """Open a checkpoint folder in the real layout. NumPy: weights stay memory-mapped until used.
         torch: each layer's tensors go to the device as they are read (FP8 stays FP8), then every
         routed expert passes a known-answer probe (probe_experts); progress(i, n) is called after each layer.
-        n_layers: build only the first n layers (then the final norm and head), for checks."""
+        n_layers: build only the first n layers (then the final norm and head), for checks.
+        parallel: a parallel.Parallel (tensor/expert parallelism over torch.distributed ranks): this
+        rank's slices of the weights and the op table with the collectives, applied from outside."""
         ops = make_ops(backend, device)
+        if parallel is not None:
+            ops = parallel.wrap(ops)
         ck = checkpoint.Checkpoint(path)
         args = ModelArgs.from_config(ck.config, where=str(Path(path) / "config.json"),
                                      **({"max_seq_len": max_seq_len} if max_seq_len else {}))
@@ -396,6 +400,8 @@ class Transformer:
                    "head": ck.get("lm_head.weight"),
                    "layers": [load_layer(ck, i, args) for i in range(args.num_hidden_layers)]}  # MTP layer skipped
         check_shapes(weights, args, path)
+        if parallel is not None:                         # this rank's slices of the memory-mapped arrays
+            weights, args = parallel.shard(weights, args)
         layers = weights.pop("layers")
         weights = to_backend(weights, ops)
         weights["layers"] = []

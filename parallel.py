@@ -1,0 +1,205 @@
+"""Tensor and expert parallelism with torch.distributed, applied to the model from outside: the model's
+code (model.py, attention.py, indexer.py, moe.py) is the single-GPU code; this module slices its
+weights and wraps the torch backend's op table with the collectives (the official code's layout).
+
+    attention   heads split: W^UQ (wq_b) and W^UKV (wkv_b) by output rows, W^O (wo) by input columns
+                (partial products, summed over ranks); the latent cache, W^DQ, W^DKV and the
+                indexer are whole on every rank, and rank 0's selection is broadcast, so every rank
+                attends to the same keys
+    dense MLP   w1, w3 by rows (intermediate columns), w2 by input columns (summed over ranks)
+    MoE         the router whole on every rank; routed experts split across ranks (expert parallel:
+                rank r holds experts r*E/n .. (r+1)*E/n - 1), each rank's weighted sum over its own
+                experts summed over ranks; the shared expert split like a dense MLP
+    vocabulary  the embedding and the head split by rows: a masked lookup summed over ranks, and
+                the head's logit slices gathered
+
+The number of ranks must divide the heads, the routed experts and the vocabulary, and every slice of
+an FP8 weight must cover whole 128x128 scale blocks (true for DeepSeek-V3.2-Exp up to 8 ranks);
+other layouts are refused with a message. Slicing happens on the checkpoint's memory-mapped arrays,
+so each rank reads only its own slices from the shards.
+
+    ctx = parallel.Parallel.from_env()          # after torch.distributed.init_process_group
+    m = Transformer.from_pretrained(path, backend="torch", device=..., parallel=ctx)
+"""
+import dataclasses
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import quant
+
+BLOCK = 128
+
+
+class RowShard(quant.Weight):
+    """A weight split by its input columns: its product is this rank's part of the sum over ranks."""
+    __slots__ = ()
+
+
+class ShardError(ValueError):
+    pass
+
+
+class Parallel:
+    """rank, world: this process and the group's size (torch.distributed's default group)."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+    @classmethod
+    def from_env(cls):
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    # -------------------------------------------------------------------------
+    # weights
+
+    def _part(self, n, what):  # [lo, hi) of this rank's share of n
+        if n % self.world:
+            raise ShardError(f"{what} ({n}) is not divisible by the number of ranks ({self.world})")
+        k = n // self.world
+        return self.rank * k, (self.rank + 1) * k
+
+    def _rows(self, W, lo, hi, name):  # output rows lo:hi (and their scale rows)
+        if W.scale is not None and (lo % BLOCK or hi % BLOCK):
+            raise ShardError(f"{name}: rows {lo}:{hi} of this rank's slice cut a {BLOCK}x{BLOCK} FP8 scale block "
+                             f"(choose a number of ranks that keeps every slice on whole blocks)")
+        return quant.Weight(W.w[lo:hi], None if W.scale is None else W.scale[lo // BLOCK:hi // BLOCK])
+
+    def _cols(self, W, lo, hi, name):  # input columns lo:hi (and their scale columns): a RowShard
+        if W.scale is not None and (lo % BLOCK or hi % BLOCK):
+            raise ShardError(f"{name}: columns {lo}:{hi} of this rank's slice cut a {BLOCK}x{BLOCK} FP8 scale block "
+                             f"(choose a number of ranks that keeps every slice on whole blocks)")
+        return RowShard(W.w[:, lo:hi], None if W.scale is None else W.scale[:, lo // BLOCK:hi // BLOCK])
+
+    def _mlp(self, p, name):  # w1, w3 by rows; w2 by columns
+        lo, hi = self._part(p["w1"].w.shape[0], f"{name} intermediate size")
+        return {"w1": self._rows(p["w1"], lo, hi, name + ".w1"), "w3": self._rows(p["w3"], lo, hi, name + ".w3"),
+                "w2": self._cols(p["w2"], lo, hi, name + ".w2")}
+
+    def shard(self, weights, args):
+        """The checkpoint's weights (NumPy, memory-mapped) and args -> this rank's slices and the
+        args its model code sees (its own head count)."""
+        a, world = args, self.world
+        H, N, R, V = a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        h0, h1 = self._part(H, "num_attention_heads")
+        self._part(a.vocab_size, "vocab_size")
+        if a.n_routed_experts and a.first_k_dense_replace < a.num_hidden_layers:
+            self._part(a.n_routed_experts, "n_routed_experts")
+        out = dict(weights)
+        v0, v1 = self._part(weights["embed"].shape[0], "vocab_size")
+        out["embed"] = weights["embed"][v0:v1]
+        out["head"] = weights["head"][v0:v1]
+        layers = []
+        for i, lw in enumerate(weights["layers"]):
+            at = dict(lw["attn"])
+            at["wq_b"] = self._rows(at["wq_b"], h0 * (N + R), h1 * (N + R), f"layer {i} wq_b")
+            at["wkv_b"] = self._rows(at["wkv_b"], h0 * (N + V), h1 * (N + V), f"layer {i} wkv_b")
+            at["wo"] = self._cols(at["wo"], h0 * V, h1 * V, f"layer {i} wo")
+            ffn = lw["ffn"]
+            if "experts" in ffn:
+                e0, e1 = self._part(len(ffn["experts"]), "n_routed_experts")
+                ffn = dict(ffn, experts=ffn["experts"][e0:e1], expert_range=(e0, e1),
+                           shared_experts=self._mlp(ffn["shared_experts"], f"layer {i} shared expert"))
+            else:
+                ffn = self._mlp(ffn, f"layer {i} mlp")
+            layers.append(dict(lw, attn=at, ffn=ffn))
+        out["layers"] = layers
+        return out, dataclasses.replace(args, num_attention_heads=H // world)
+
+    # -------------------------------------------------------------------------
+    # the op table with the collectives
+
+    def wrap(self, ops):
+        """The torch op table of this rank, with the sums and gathers over ranks where the sliced
+        weights need them."""
+        if ops.name != "torch":
+            raise ShardError("tensor/expert parallelism runs on the torch backend (backend='torch')")
+        base, world, rank = ops, self.world, self.rank
+
+        def all_sum(y):
+            y = y.contiguous()
+            dist.all_reduce(y)
+            return y
+
+        def weight(W):                                   # keep the RowShard mark through the device copy
+            out = base.weight(W)
+            return RowShard(*out) if isinstance(W, RowShard) else out
+
+        def linear(x, W, official):
+            y = base.linear(x, W, official)
+            if isinstance(W, RowShard):                  # this rank's part of the sum (official: bf16 sum)
+                y = all_sum(y)
+                return base.bf16_round(y) if official and W.scale is not None else y
+            return y
+
+        def embed(table, tokens):                        # rows v0:v1 of the vocabulary here
+            n = table.shape[0]
+            local = tokens - rank * n
+            here = (local >= 0) & (local < n)
+            return all_sum(base.embed(table, local.clamp(0, n - 1)) * here[..., None])
+
+        def head(h, w):                                  # this rank's logit columns, gathered
+            part = base.head(h, w).contiguous()
+            parts = [torch.empty_like(part) for _ in range(world)]
+            dist.all_gather(parts, part)
+            return torch.cat(parts, -1)
+
+        def select(*a, **kw):                            # rank 0's selection, on every rank
+            sel = base.select(*a, **kw)
+            flag = sel.dtype == torch.bool
+            sel = sel.to(torch.uint8) if flag else sel.contiguous()
+            dist.broadcast(sel, 0)
+            return sel.bool() if flag else sel
+
+        def moe(x, p, args, official):
+            """Routed experts of this rank (expert parallel): the weighted sum over each token's
+            experts held here, in expert-id order in fp32, summed over ranks; then the shared expert
+            (split by columns, summed inside its w2)."""
+            rnd = base.bf16_round if official else base.no_round
+            w, idx = base.gate(x, p["gate"].w, p.get("gate_bias"), args)           # every expert, every rank
+            e0, e1 = p["expert_range"]
+            M, Kt = idx.shape
+            out = torch.zeros(M, Kt, x.shape[1], device=x.device)
+            for e in torch.unique(idx[(idx >= e0) & (idx < e1)]).tolist():         # the experts held here
+                tok, slot = torch.nonzero(idx == e, as_tuple=True)
+                W13, W2 = p["w13"], p["w2"]
+                k = e - e0
+                g = base.linear(x[tok], quant.Weight(W13.w[k], None if W13.scale is None else W13.scale[k]), official)
+                I = g.shape[1] // 2
+                h = rnd(torch.nn.functional.silu(g[:, :I]) * g[:, I:])
+                out[tok, slot] = base.linear(h, quant.Weight(W2.w[k], None if W2.scale is None else W2.scale[k]), official)
+            perm = torch.argsort(idx, dim=1, stable=True)                          # each token's experts by id
+            ws, outs = w.gather(1, perm), out.gather(1, perm[..., None].expand_as(out))
+            y = torch.zeros(M, x.shape[1], device=x.device)
+            for k in range(Kt):
+                y += outs[:, k] * ws[:, k, None]
+            y = all_sum(y) + mlp(x, p["shared_experts"], official)
+            return rnd(y)
+
+        def mlp(x, p, official):                          # the base MLP through the wrapped linear
+            rnd = base.bf16_round if official else base.no_round
+            a, b = linear(x, p["w1"], official), linear(x, p["w3"], official)
+            return linear(rnd(torch.nn.functional.silu(a) * b), p["w2"], official)
+
+        def param(a):                                     # the expert range stays a pair of ints
+            return a if isinstance(a, tuple) else base.param(a)
+
+        return SimpleNamespace(**(vars(base) | dict(
+            weight=weight, linear=linear, embed=embed, head=head, select=select, moe=moe, mlp=mlp, param=param,
+            parallel=self)))
+
+
+def init_from_env():
+    """torchrun's environment -> an initialised default group (NCCL on GPUs, gloo on the CPU), the
+    device of this rank, and its Parallel; None when not launched by torchrun (one process)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None, None
+    cuda = torch.cuda.is_available()
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return Parallel.from_env(), (f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")

@@ -1,0 +1,35 @@
+"""Run by tests/test_parallel.py under torch.distributed.run (gloo, CPU): one rank of the parallel
+model on a checkpoint; rank 0 saves the logits of a prefill (every position), of a chunk after the
+cache and of greedy decode steps to OUT (.npz) for the test to compare with one process."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import parallel  # noqa: E402
+from model import Transformer  # noqa: E402
+
+
+def main(ckpt, out, numerics, attention):
+    ctx, device = parallel.init_from_env()
+    m = Transformer.from_pretrained(ckpt, backend="torch", device=device, numerics=numerics, attention=attention,
+                                    parallel=ctx)
+    tokens = np.random.default_rng(0).integers(0, m.args.vocab_size, (2, 24))
+    prefill = m.forward(tokens[:, :16], all_positions=True)
+    chunk = m.forward(tokens[:, 16:20], start_pos=16, all_positions=True)
+    nxt, steps = chunk[:, -1].argmax(-1, keepdim=True), []
+    for s in range(6):
+        logits = m.forward(nxt, start_pos=20 + s)
+        steps.append(logits)
+        nxt = logits.argmax(-1, keepdim=True)
+    if dist.get_rank() == 0:
+        np.savez(out, prefill=prefill.numpy(), chunk=chunk.numpy(), steps=torch.stack(steps, 1).numpy())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,92 @@
+"""Tensor and expert parallelism (parallel.py) on the CPU with the gloo backend: 2 and 4 processes
+launched by torch.distributed.run equal one process (exact numerics: logits within 1e-5, the same
+greedy tokens); layouts that cannot be split are refused."""
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import checkpoint
+import parallel
+from helpers import rel_err
+from model import ModelArgs, Transformer, load_layer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    # 8 heads, 8 experts, vocabulary 2048, MLP and expert widths of 512: every slice of 2 or 4 ranks
+    # covers whole 128x128 scale blocks (wq_b 2 x 128 rows, wkv_b 2 x 128, wo 2 x 64 columns per rank at 4)
+    cfg = checkpoint.tiny_config(num_attention_heads=8, intermediate_size=512, moe_intermediate_size=512, index_topk=8)
+    path = tmp_path_factory.mktemp("par") / "ckpt"
+    return checkpoint.write_checkpoint(path, cfg, checkpoint.random_weights(cfg, 5))
+
+
+def single(ckpt, numerics="exact", attention="sparse"):
+    m = Transformer.from_pretrained(ckpt, backend="torch", device="cpu", numerics=numerics, attention=attention)
+    tokens = np.random.default_rng(0).integers(0, m.args.vocab_size, (2, 24))
+    prefill = m.forward(tokens[:, :16], all_positions=True)
+    chunk = m.forward(tokens[:, 16:20], start_pos=16, all_positions=True)
+    nxt, steps = chunk[:, -1].argmax(-1, keepdim=True), []
+    for s in range(6):
+        logits = m.forward(nxt, start_pos=20 + s)
+        steps.append(logits)
+        nxt = logits.argmax(-1, keepdim=True)
+    return dict(prefill=prefill.numpy(), chunk=chunk.numpy(), steps=torch.stack(steps, 1).numpy())
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(ckpt, n, out, numerics="exact", attention="sparse"):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", str(free_port()),
+           str(ROOT / "tests" / "parallel_worker.py"), str(ckpt), str(out), numerics, attention]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return dict(np.load(out))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_parallel_model_equals_one_process(ckpt, n, tmp_path):
+    want = single(ckpt)
+    got = launch(ckpt, n, tmp_path / "out.npz")
+    for k in ("prefill", "chunk", "steps"):
+        assert got[k].shape == want[k].shape, k
+        assert rel_err(got[k], want[k]) <= 1e-5, k
+    np.testing.assert_array_equal(got["steps"].argmax(-1), want["steps"].argmax(-1))        # same greedy tokens
+
+
+def test_parallel_dense_attention_and_official_numerics_run(ckpt, tmp_path):
+    want = single(ckpt, attention="dense")
+    got = launch(ckpt, 2, tmp_path / "dense.npz", attention="dense")
+    assert rel_err(got["prefill"], want["prefill"]) <= 1e-5
+    off = launch(ckpt, 2, tmp_path / "official.npz", numerics="official")
+    assert np.isfinite(off["steps"]).all()
+
+
+def test_layouts_that_cannot_be_split_are_refused(ckpt, tmp_path):
+    import model
+    ck = checkpoint.Checkpoint(ckpt)
+    args = ModelArgs.from_config(ck.config)
+    weights = {"embed": ck.get("model.embed_tokens.weight"), "head": ck.get("lm_head.weight"),
+               "layers": [load_layer(ck, i, args) for i in range(args.num_hidden_layers)]}
+    with pytest.raises(parallel.ShardError, match=r"num_attention_heads \(8\) is not divisible by the number of ranks \(3\)"):
+        parallel.Parallel(0, 3).shard(weights, args)
+    with pytest.raises(parallel.ShardError, match="cut a 128x128 FP8 scale block"):
+        parallel.Parallel(1, 8).shard(weights, args)                  # 1 head per rank: wo slices of 64 columns
+    w, a = parallel.Parallel(1, 2).shard(weights, args)
+    assert a.num_attention_heads == 4 and w["embed"].shape[0] == 1024
+    assert len(w["layers"][1]["ffn"]["experts"]) == 4 and w["layers"][1]["ffn"]["expert_range"] == (4, 8)
+    assert isinstance(w["layers"][0]["attn"]["wo"], parallel.RowShard)
+    with pytest.raises(parallel.ShardError, match="backend='torch'"):
+        parallel.Parallel(0, 2).wrap(model.NUMPY_OPS)
