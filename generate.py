@@ -5,6 +5,8 @@
     python generate.py --ckpt DIR --interactive               a chat; /clear resets, /exit quits
     python generate.py --ckpt DIR --interactive --thinking --tools tools.json   reasoning shown apart,
                                                               tool calls printed, their results asked for
+    torchrun --nproc-per-node 8 generate.py --ckpt DIR ...    tensor/expert parallel over 8 GPUs
+                                                              (parallel.py); rank 0 reads and prints
 
 The loop is the official demo's (spec/dsv32.md §6): prefill the shortest prompt, then one token at a
 time, longer prompts teacher-forced; sampling is argmax(softmax(logits / T) / Exp(1)), an exact
@@ -13,6 +15,7 @@ conversation and prefills only the new tokens (a prefill chunk at start_pos > 0)
 """
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -107,7 +110,7 @@ def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, 
     finished = np.zeros(B, bool)
     stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
     prev = reuse
-    graph, use_graph = None, cuda_graph and _on_cuda(model)
+    graph, use_graph = None, cuda_graph and _on_cuda(model) and getattr(model.opts.ops, "parallel", None) is None
     for cur in range(min(lens), total):
         t0 = time.perf_counter()
         if use_graph and cur - prev == 1 and prev > reuse:               # decode: replay one captured graph
@@ -218,6 +221,17 @@ def main(argv=None):
         ap.error("--max-seq-len must be positive")
     if not Path(a.ckpt).is_dir():
         ap.error(f"--ckpt {a.ckpt}: no such folder")
+    a.parallel = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:       # launched by torchrun: one rank of the parallel model
+        if a.verify:
+            ap.error("--verify runs in one process (not under torchrun)")
+        import parallel
+        a.parallel, a.device = parallel.init_from_env()
+        a.backend = "torch"
+        if a.parallel.rank != 0:                          # rank 0 prints and reads; the others compute
+            quiet = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(quiet, 1)
+            os.dup2(quiet, 2)
     if a.backend == "torch" and a.device is None:
         import torch
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -239,7 +253,7 @@ def main(argv=None):
     try:
         model = Transformer.from_pretrained(a.ckpt, backend=a.backend, numerics=a.numerics, attention=a.attention,
                                             indexer=a.indexer, max_seq_len=a.max_seq_len, device=a.device,
-                                            progress=show_progress)
+                                            progress=show_progress, parallel=a.parallel)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
     args = model.args
@@ -247,8 +261,8 @@ def main(argv=None):
     print(f"ckpt={a.ckpt} backend={a.backend} numerics={model.numerics} attention={model.attention} "
           f"indexer={model.indexer} device={a.device or 'cpu'} max_seq_len={args.max_seq_len} yarn={'on' if args.yarn_active else 'off'} "
           f"index_topk={args.index_topk} chat_format={'raw' if a.raw else a.chat_format} thinking={a.thinking} "
-          f"tools={len(a.tool_list or [])} temperature={a.temperature} seed={a.seed} max_new_tokens={a.max_new_tokens}",
-          file=sys.stderr)
+          f"tools={len(a.tool_list or [])} temperature={a.temperature} seed={a.seed} max_new_tokens={a.max_new_tokens}"
+          + (f" ranks={a.parallel.world}" if a.parallel else ""), file=sys.stderr)
     rng = np.random.default_rng(a.seed)
     eos = args.eos_token_id
 
@@ -285,9 +299,27 @@ def main(argv=None):
                 print()
             report(stats)
         else:
-            interactive(model, tok, a, rng, eos)
+            interactive(model, tok, a, rng, eos, read=input if a.parallel is None else shared_input)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
+    finally:
+        if a.parallel is not None:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def shared_input(prompt):  # under torchrun: rank 0 reads a line, every rank receives it (EOF too)
+    import torch.distributed as dist
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = input(prompt)
+        except EOFError:
+            pass
+    dist.broadcast_object_list(box, 0)
+    if box[0] is None:
+        raise EOFError
+    return box[0]
 
 
 def interactive(model, tok, a, rng, eos, read=input, out=sys.stdout):

@@ -90,3 +90,39 @@ def test_layouts_that_cannot_be_split_are_refused(ckpt, tmp_path):
     assert isinstance(w["layers"][0]["attn"]["wo"], parallel.RowShard)
     with pytest.raises(parallel.ShardError, match="backend='torch'"):
         parallel.Parallel(0, 2).wrap(model.NUMPY_OPS)
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    # the same split-friendly shapes with the real vocabulary and the bundled tokenizer (tiny-v32)
+    import shutil
+    tiny = ROOT / "tiny-v32"
+    if not (tiny / "tokenizer.json").is_file():
+        pytest.skip("needs the bundled tiny-v32 (./setup.sh builds it) for its tokenizer")
+    cfg = checkpoint.tiny_config(num_attention_heads=8, intermediate_size=512, moe_intermediate_size=512,
+                                 index_topk=8, vocab_size=129280)
+    path = checkpoint.write_checkpoint(tmp_path_factory.mktemp("parchat") / "ckpt", cfg, checkpoint.random_weights(cfg, 6))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / f, path / f)
+    return path
+
+
+def test_torchrun_generate_equals_one_process(chat_ckpt):
+    # `torchrun --nproc-per-node 2 generate.py ...` prints what one process prints; interactive input
+    # is read by rank 0 and broadcast (two turns, then EOF)
+    import os
+    common = ["--ckpt", str(chat_ckpt), "--backend", "torch", "--numerics", "exact", "--temperature", "0",
+              "--max-new-tokens", "8"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = lambda pre, extra, **kw: subprocess.run(pre + [str(ROOT / "generate.py")] + common + extra,    # noqa: E731
+                                                  capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, **kw)
+    tr = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    one, par = run([sys.executable], ["--prompt", "Hello there"]), run(tr, ["--prompt", "Hello there"])
+    assert one.returncode == 0 and par.returncode == 0, par.stderr[-2000:]
+    assert par.stdout == one.stdout and par.stdout.strip()
+    chat_in = "Hi\nAnd again\n"
+    one = run([sys.executable], ["--interactive"], input=chat_in)
+    tr[-1] = str(free_port())
+    par = run(tr, ["--interactive"], input=chat_in)
+    assert one.returncode == 0 and par.returncode == 0, par.stderr[-2000:]
+    assert par.stdout == one.stdout and par.stdout.count(">>> ") == 3
