@@ -14,10 +14,7 @@ import parallel  # noqa: E402
 from model import Transformer  # noqa: E402
 
 
-def main(ckpt, out, numerics, attention):
-    ctx, device = parallel.init_from_env()
-    m = Transformer.from_pretrained(ckpt, backend="torch", device=device, numerics=numerics, attention=attention,
-                                    parallel=ctx)
+def script(m):  # the fixed run both sides make: prefill, a chunk after the cache, 6 greedy decode steps
     tokens = np.random.default_rng(0).integers(0, m.args.vocab_size, (2, 24))
     prefill = m.forward(tokens[:, :16], all_positions=True)
     chunk = m.forward(tokens[:, 16:20], start_pos=16, all_positions=True)
@@ -26,8 +23,16 @@ def main(ckpt, out, numerics, attention):
         logits = m.forward(nxt, start_pos=20 + s)
         steps.append(logits)
         nxt = logits.argmax(-1, keepdim=True)
+    return dict(prefill=prefill.cpu().numpy(), chunk=chunk.cpu().numpy(), steps=torch.stack(steps, 1).cpu().numpy())
+
+
+def main(ckpt, out, numerics, attention):
+    ctx, device = parallel.init_from_env()
+    m = Transformer.from_pretrained(ckpt, backend="torch", device=device, numerics=numerics, attention=attention,
+                                    parallel=ctx)
+    res = script(m)
     if dist.get_rank() == 0:
-        np.savez(out, prefill=prefill.numpy(), chunk=chunk.numpy(), steps=torch.stack(steps, 1).numpy())
+        np.savez(out, **res)
     dist.destroy_process_group()
 
 

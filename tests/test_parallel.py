@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 import checkpoint
 import parallel
+from conftest import gpu
 from helpers import rel_err
 from model import ModelArgs, Transformer, load_layer
 
@@ -27,17 +28,9 @@ def ckpt(tmp_path_factory):
     return checkpoint.write_checkpoint(path, cfg, checkpoint.random_weights(cfg, 5))
 
 
-def single(ckpt, numerics="exact", attention="sparse"):
-    m = Transformer.from_pretrained(ckpt, backend="torch", device="cpu", numerics=numerics, attention=attention)
-    tokens = np.random.default_rng(0).integers(0, m.args.vocab_size, (2, 24))
-    prefill = m.forward(tokens[:, :16], all_positions=True)
-    chunk = m.forward(tokens[:, 16:20], start_pos=16, all_positions=True)
-    nxt, steps = chunk[:, -1].argmax(-1, keepdim=True), []
-    for s in range(6):
-        logits = m.forward(nxt, start_pos=20 + s)
-        steps.append(logits)
-        nxt = logits.argmax(-1, keepdim=True)
-    return dict(prefill=prefill.numpy(), chunk=chunk.numpy(), steps=torch.stack(steps, 1).numpy())
+def single(ckpt, numerics="exact", attention="sparse", device="cpu"):
+    from parallel_worker import script
+    return script(Transformer.from_pretrained(ckpt, backend="torch", device=device, numerics=numerics, attention=attention))
 
 
 def free_port():
@@ -64,6 +57,18 @@ def test_parallel_model_equals_one_process(ckpt, n, tmp_path):
         assert got[k].shape == want[k].shape, k
         assert rel_err(got[k], want[k]) <= 1e-5, k
     np.testing.assert_array_equal(got["steps"].argmax(-1), want["steps"].argmax(-1))        # same greedy tokens
+
+
+@gpu
+def test_parallel_on_two_gpus_with_nccl_equals_one_gpu(ckpt, tmp_path):
+    # the same comparison on two GPUs (NCCL; the DSA kernels on each): run on a machine with two H200s
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    want = single(ckpt, device="cuda")
+    got = launch(ckpt, 2, tmp_path / "nccl.npz")
+    for k in ("prefill", "chunk", "steps"):
+        assert rel_err(got[k], want[k]) <= 1e-5, k
+    np.testing.assert_array_equal(got["steps"].argmax(-1), want["steps"].argmax(-1))
 
 
 def test_parallel_dense_attention_and_official_numerics_run(ckpt, tmp_path):
