@@ -7,16 +7,17 @@
                 rows gathered by index, one expert per 16-row block   reference: quant.fp8_gemm per expert
 
 DSA kernels (DeepSeek Sparse Attention; the model calls them on a GPU through backend_torch):
-    index_scores        eq. (1) for a prefill chunk or decode rows: BQ queries x all heads on the MMA's
-                        M side, keys streamed and split over the context, future key blocks skipped
-                                                                    reference: indexer.index_scores_ref
-    topk_indices        eq. (2), exact causal top-k by radix select  reference: indexer.topk_select_ref
+    index_scores        eq. (1) for a prefill chunk or decode rows: keys on the MMA's M side, BQ queries
+                        x all their heads on N (the head sum in registers), keys split over programs,
+                        future key blocks skipped              reference: indexer.index_scores_ref
+    topk_indices        eq. (2), exact causal top-k: per-segment lists above a sampled threshold, then
+                        radix select on them (or on the row)   reference: indexer.topk_select_ref
     sparse_mla_decode   absorbed MLA over the selected latent rows (packed FP8 656-byte rows, or bf16 /
     sparse_mla_prefill  float32), online softmax; decode splits the selected set and combines the
                         splits by log-sum-exp, prefill writes each query directly
                                                                     reference: attention.mqa_absorbed_ref
 
-act_quant, fp8_gemm and moe_gemm are shared with kernels_rocm.py: what differs by architecture (the FP8 flavour
+Every kernel is shared with kernels_rocm.py: what differs by architecture (the FP8 flavour
 and its maximum, whether FP8 is decoded by hand, tile sizes) arrives as constexpr arguments and
 wrapper data. Every kernel runs on the CPU under TRITON_INTERPRET=1 (tests/test_kernels.py), where
 the interpreter's fp32->fp8 and fp32->bf16 casts are defective (spec/kernels.md §4.3): the tests there
