@@ -382,7 +382,7 @@ def torch_ops(device, kernels=True, dsa=None):
         P, bm = rows.shape[0], rows.shape[0] // block_expert.shape[0]
         out = torch.zeros(P, W.w.shape[1], device=device)
         be = block_expert.repeat_interleave(bm)
-        for e in torch.unique(be[rows >= 0]).tolist():                   # CPU: one GEMM per expert present
+        for e in torch.unique(be[(rows >= 0) & (be >= 0)]).tolist():     # CPU: one GEMM per expert present
             sel = torch.nonzero((rows >= 0) & (be == e)).squeeze(1)
             r = rows[sel].long()
             out[sel] = bf16_round(fp8_gemm_torch(q[r], s[r], W.w[e], W.scale[e]))
@@ -455,7 +455,7 @@ def torch_ops(device, kernels=True, dsa=None):
         topk_select=topk_select, select=select, selection_mask=selection_mask, fused=fused, latent_cache=latent_cache,
         store_latent=store_latent, latent_attention=latent_attention, latent_fp8_roundtrip=latent_fp8_roundtrip, causal_mask=causal_mask, store=store,
         mha=mha, mqa_absorbed=mqa_absorbed, mlp=mlp, moe=moe, gate=gate, experts=experts, expert_linear=expert_linear,
-        route=route,
+        route=route, grouped=grouped,
         cat=lambda xs, axis: torch.cat(xs, axis), zeros=zeros,
         tokens=lambda t: torch.as_tensor(np.asarray(t), device=device),
         angles=lambda cos, sin: (torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)),

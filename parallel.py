@@ -154,16 +154,28 @@ class Parallel:
             dist.broadcast(sel, 0)
             return sel.bool() if flag else sel
 
-        def moe(x, p, args, official):
-            """Routed experts of this rank (expert parallel): the weighted sum over each token's
-            experts held here, in expert-id order in fp32, summed over ranks; then the shared expert
-            (split by columns, summed inside its w2)."""
-            rnd = base.bf16_round if official else base.no_round
-            w, idx = base.gate(x, p["gate"].w, p.get("gate_bias"), args)           # every expert, every rank
-            e0, e1 = p["expert_range"]
+        def routed_grouped(x, p, idx, mine):
+            """Official numerics, FP8 experts: the grouped GEMM over this rank's stacked experts, no host
+            synchronisation. Pairs routed elsewhere go to a virtual expert whose blocks are skipped (-1)."""
+            E = p["w13"].w.shape[0]
+            rows_tok, pair_at, block_expert = base.route(torch.where(mine, idx - p["expert_range"][0], E), E + 1, 16)
+            block_expert = torch.where(block_expert == E, -1, block_expert)
+            q, sc = base.act_quant(x)
+            g = base.grouped(q, sc, p["w13"], rows_tok, block_expert)              # [P, 2I]: gate | up
+            I = g.shape[1] // 2
+            h = base.bf16_round(torch.nn.functional.silu(g[:, :I]) * g[:, I:])
+            q2, s2 = base.act_quant(h)
+            rows_self = torch.where(rows_tok >= 0, torch.arange(rows_tok.shape[0], device=x.device, dtype=torch.int32), -1)
+            o = base.grouped(q2, s2, p["w2"], rows_self, block_expert)             # [P, d]
             M, Kt = idx.shape
-            out = torch.zeros(M, Kt, x.shape[1], device=x.device)
-            for e in torch.unique(idx[(idx >= e0) & (idx < e1)]).tolist():         # the experts held here
+            out = torch.zeros(M * Kt + 1, x.shape[1], device=x.device).index_copy_(0, pair_at, o)[:M * Kt]
+            return out.view(M, Kt, -1)
+
+        def routed_loop(x, p, idx, mine, official):  # exact numerics or bf16 experts: one expert at a time
+            rnd = base.bf16_round if official else base.no_round
+            e0 = p["expert_range"][0]
+            out = torch.zeros(*idx.shape, x.shape[1], device=x.device)
+            for e in torch.unique(idx[mine]).tolist():                             # the experts held here
                 tok, slot = torch.nonzero(idx == e, as_tuple=True)
                 W13, W2 = p["w13"], p["w2"]
                 k = e - e0
@@ -171,6 +183,22 @@ class Parallel:
                 I = g.shape[1] // 2
                 h = rnd(torch.nn.functional.silu(g[:, :I]) * g[:, I:])
                 out[tok, slot] = base.linear(h, quant.Weight(W2.w[k], None if W2.scale is None else W2.scale[k]), official)
+            return out
+
+        def moe(x, p, args, official):
+            """Routed experts of this rank (expert parallel): the weighted sum over each token's
+            experts held here, in expert-id order in fp32, summed over ranks; then the shared expert
+            (split by columns, summed inside its w2)."""
+            rnd = base.bf16_round if official else base.no_round
+            w, idx = base.gate(x, p["gate"].w, p.get("gate_bias"), args)           # every expert, every rank
+            e0, e1 = p["expert_range"]
+            mine = (idx >= e0) & (idx < e1)
+            if official and p["w13"].scale is not None:
+                out = routed_grouped(x, p, idx, mine)
+            else:
+                out = routed_loop(x, p, idx, mine, official)
+            M, Kt = idx.shape
+            out = torch.where(mine[..., None], out, 0.0)                           # pairs routed elsewhere: nothing
             perm = torch.argsort(idx, dim=1, stable=True)                          # each token's experts by id
             ws, outs = w.gather(1, perm), out.gather(1, perm[..., None].expand_as(out))
             y = torch.zeros(M, x.shape[1], device=x.device)

@@ -26,11 +26,17 @@ def script(m):  # the fixed run both sides make: prefill, a chunk after the cach
     return dict(prefill=prefill.cpu().numpy(), chunk=chunk.cpu().numpy(), steps=torch.stack(steps, 1).cpu().numpy())
 
 
-def main(ckpt, out, numerics, attention):
+def moe_op(m):  # one MoE layer's op on a fixed input (official numerics: the grouped expert GEMM)
+    d = m.args.hidden_size
+    x = torch.from_numpy(np.round(np.sin(np.arange(6 * d) * 0.1).reshape(6, d) * 64) / 64).float()
+    return dict(moe=m.opts.ops.moe(x.to(m.opts.ops.device), m.w["layers"][1]["ffn"], m.args, m.opts.official).cpu().numpy())
+
+
+def main(ckpt, out, numerics, attention, what="script"):
     ctx, device = parallel.init_from_env()
     m = Transformer.from_pretrained(ckpt, backend="torch", device=device, numerics=numerics, attention=attention,
                                     parallel=ctx)
-    res = script(m)
+    res = script(m) if what == "script" else moe_op(m)
     if dist.get_rank() == 0:
         np.savez(out, **res)
     dist.destroy_process_group()
