@@ -23,6 +23,7 @@ so each rank reads only its own slices from the shards.
 """
 import dataclasses
 import os
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -48,6 +49,17 @@ class Parallel:
 
     def __init__(self, rank, world):
         self.rank, self.world = rank, world
+        self.timing, self.comm_s = False, 0.0            # bench_parallel: time spent in the collectives
+
+    def _comm(self, fn, *a):                             # one collective (timed between syncs when asked)
+        if not self.timing:
+            return fn(*a)
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync()
+        t = time.perf_counter()
+        fn(*a)
+        sync()
+        self.comm_s += time.perf_counter() - t
 
     @classmethod
     def from_env(cls):
@@ -119,9 +131,11 @@ class Parallel:
             raise ShardError("tensor/expert parallelism runs on the torch backend (backend='torch')")
         base, world, rank = ops, self.world, self.rank
 
+        comm = self._comm
+
         def all_sum(y):
             y = y.contiguous()
-            dist.all_reduce(y)
+            comm(dist.all_reduce, y)
             return y
 
         def weight(W):                                   # keep the RowShard mark through the device copy
@@ -144,14 +158,14 @@ class Parallel:
         def head(h, w):                                  # this rank's logit columns, gathered
             part = base.head(h, w).contiguous()
             parts = [torch.empty_like(part) for _ in range(world)]
-            dist.all_gather(parts, part)
+            comm(dist.all_gather, parts, part)
             return torch.cat(parts, -1)
 
         def select(*a, **kw):                            # rank 0's selection, on every rank
             sel = base.select(*a, **kw)
             flag = sel.dtype == torch.bool
             sel = sel.to(torch.uint8) if flag else sel.contiguous()
-            dist.broadcast(sel, 0)
+            comm(dist.broadcast, sel, 0)
             return sel.bool() if flag else sel
 
         def routed_grouped(x, p, idx, mine):

@@ -142,3 +142,19 @@ def test_torchrun_generate_equals_one_process(chat_ckpt):
     par = run(tr, ["--interactive"], input=chat_in)
     assert one.returncode == 0 and par.returncode == 0, par.stderr[-2000:]
     assert par.stdout == one.stdout and par.stdout.count(">>> ") == 3
+
+
+def test_parallel_benchmark_script_runs(ckpt, tmp_path):
+    # bench/bench_parallel.py on the CPU: 1 and 2 gloo ranks, tiny shapes; then its table and estimate
+    import os
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    bench = [str(ROOT / "bench" / "bench_parallel.py"), "--ckpt", str(ckpt), "--out", str(tmp_path), "--prefill", "16",
+             "--steps", "2", "--batch", "2", "--batch-prefill", "8"]
+    for pre in ([sys.executable], [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                   "--master-port", str(free_port())]):
+        r = subprocess.run(pre + bench, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_parallel.py"), "--render",
+                        str(tmp_path / "parallel_1.json"), str(tmp_path / "parallel_2.json")],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and "| 2 |" in r.stdout and "Estimate (not measured) for 8 ranks and 61 layers" in r.stdout
