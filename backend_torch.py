@@ -89,10 +89,6 @@ def dequant(W):  # quant.Weight of tensors -> [N, K] float32
     return W.w.float() * s
 
 
-def latent_width(C, R):  # bytes of one packed FP8 latent row (kernels_cuda.latent_width)
-    return C + 4 * (C // 128) + 2 * R
-
-
 def unpack_latent(rows, C):  # [..., W] latent cache rows -> c^KV [..., C], k^R [..., R] float32
     if rows.dtype != torch.uint8:
         return rows[..., :C].float(), rows[..., C:].float()
@@ -219,7 +215,7 @@ def torch_ops(device, kernels=True, dsa=None):
     def latent_cache(B, cap, a, official):  # the kernels' latent cache: one row per token
         C, R = a.kv_lora_rank, a.qk_rope_head_dim
         if official:                        # FP8 codes, their ue8m0 scales, bf16 rope (spec/kernels.md §3.4)
-            return torch.zeros(B, cap, latent_width(C, R), dtype=torch.uint8, device=device)
+            return torch.zeros(B, cap, quant.latent_width(C, R), dtype=torch.uint8, device=device)
         return torch.zeros(B, cap, C + R, dtype=torch.float32, device=device)   # exact numerics: float32
 
     def store_latent(buf, start_pos, c_kv, k_pe, B, T):  # c^KV [B, T, C], k^R [B, T, R] -> rows at start_pos

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+import quant
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -462,6 +464,8 @@ def topk_indices(scores, K, start_pos, block=2048, num_warps=8, sample=2048, cap
     causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K.
     Rows of at least 4 * sample keys first list the keys above a sampled threshold, in `segments`
     pieces per row (enough programs to fill the GPU for a few rows), each list at most cap keys."""
+    if scores.dim() != 3 or K < 1:
+        raise ValueError(f"topk_indices: scores {tuple(scores.shape)} is not [B, T, S] or K = {K} < 1")
     B, T, S = scores.shape
     rows = B * T
     segs = segments or max(1, min(8, programs // rows))
@@ -482,8 +486,7 @@ def topk_indices(scores, K, start_pos, block=2048, num_warps=8, sample=2048, cap
 # (spec/kernels.md §3.4: C e4m3 codes, C/128 fp32 scales, R bf16 rope values; 656 bytes for
 # C = 512, R = 64) or C + R plain values (bf16, or float32 for exact numerics).
 
-def latent_width(C, R):  # bytes of one packed FP8 row
-    return C + 4 * (C // 128) + 2 * R
+latent_width = quant.latent_width                                      # bytes of one packed FP8 row
 
 
 @triton.jit

@@ -181,3 +181,7 @@ def fp4_dequant(packed, s):  # [N, K/2] uint8, [N, K/32] -> [N, K] float32
     nib = np.stack([packed & 0xF, packed >> 4], -1).reshape(N, -1)       # even index from the low nibble
     v = nib.astype(np.uint8).view(FP4).astype(np.float32)
     return (v.reshape(N, -1, MX_BLOCK) * s[..., None]).reshape(N, -1)
+
+
+def latent_width(C, R, group=BLOCK):  # bytes of one packed FP8 latent cache row (spec/kernels.md §3.4)
+    return C + 4 * (C // group) + 2 * R   # C e4m3 codes, C/128 fp32 scales, R bf16 rope values: 656 for 512 + 64

@@ -38,23 +38,19 @@ def render(d):
              "| L | prefill dense | prefill sparse | dense/sparse | decode b1 dense | decode b1 sparse | dense/sparse "
              f"| decode b{BATCH} dense | decode b{BATCH} sparse | dense/sparse |", "|---|---|---|---|---|---|---|---|---|---|"]
     r = d["us_per_token"]
-    for L in LS:
-        k = str(L)
-        cells = []
-        for what in ("prefill", "decode_b1", f"decode_b{BATCH}"):
-            dn, sp = r["dense"][what].get(k), r["sparse"][what].get(k)
-            cells += [f"{dn:.2f}" if dn else "-", f"{sp:.2f}" if sp else "-", f"{dn / sp:.2f}x" if dn and sp else "-"]
-        lines.append(f"| {L // 1024}K | " + " | ".join(cells) + " |")
+
+    def rows(whats):  # one row per L: dense, sparse, their ratio for each measure
+        for L in LS:
+            cells = []
+            for what in whats:
+                dn, sp = r["dense"][what].get(str(L)), r["sparse"][what].get(str(L))
+                cells += [f"{dn:.2f}" if dn else "-", f"{sp:.2f}" if sp else "-", f"{dn / sp:.2f}x" if dn and sp else "-"]
+            lines.append(f"| {L // 1024}K | " + " | ".join(cells) + " |")
+    rows(("prefill", "decode_b1", f"decode_b{BATCH}"))
     if "attn_prefill" in r["dense"]:
         lines += ["", "The attention sublayer alone (MLA + indexer; the MoE FFN costs the same in both modes):", "",
                   lines[2].replace("decode b", "attention decode b").replace("prefill", "attention prefill"), lines[3]]
-        for L in LS:
-            k = str(L)
-            cells = []
-            for what in ("attn_prefill", "attn_decode_b1", f"attn_decode_b{BATCH}"):
-                dn, sp = r["dense"][what].get(k), r["sparse"][what].get(k)
-                cells += [f"{dn:.2f}" if dn else "-", f"{sp:.2f}" if sp else "-", f"{dn / sp:.2f}x" if dn and sp else "-"]
-            lines.append(f"| {L // 1024}K | " + " | ".join(cells) + " |")
+        rows(("attn_prefill", "attn_decode_b1", f"attn_decode_b{BATCH}"))
     return "\n".join(lines)
 
 

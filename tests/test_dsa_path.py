@@ -61,6 +61,7 @@ def test_exact_model_through_the_kernels_equals_numpy(ckpt, attention_mode):
 
 def test_latent_cache_rows_hold_the_official_round_trip():
     # official numerics store FP8 codes and scales instead of the round-tripped bf16 values: lossless
+    assert quant.latent_width(512, 64) == 656                                # spec/kernels.md §3.4's row
     ops = fused_ops()
     rng = np.random.default_rng(3)
     C, R, B, T = 256, 64, 2, 5

@@ -320,6 +320,8 @@ def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, seed):
     A small sample puts rows of >= 64 keys on the sampled-threshold lists (in 1 or 3 segments per row,
     or as many as fill the GPU); a list capacity of 1 forces the fall-back to the whole row there."""
     sample, cap = sample_cap
+    with pytest.raises(ValueError, match="K = 0 < 1"):
+        kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 0, 0)
     import indexer
     rng = np.random.default_rng(seed)
     S = past + T
