@@ -110,7 +110,7 @@ def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, 
     finished = np.zeros(B, bool)
     stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
     prev = reuse
-    graph, use_graph = None, cuda_graph and _on_cuda(model) and getattr(model.opts.ops, "parallel", None) is None
+    graph, use_graph = None, cuda_graph and _on_cuda(model)
     for cur in range(min(lens), total):
         t0 = time.perf_counter()
         if use_graph and cur - prev == 1 and prev > reuse:               # decode: replay one captured graph

@@ -8,13 +8,18 @@ checkpoint (a real-dimension one with random FP8 weights: `python checkpoint.py 
 
 Each run writes OUT/parallel_<ranks>.json (rank 0). The communication share comes from a second pass
 with every collective timed between synchronisations (which slows that pass a little; the tokens/s
-are from the first, untimed pass). --render prints the table and an estimate for 8 GPUs and the
-whole model (--layers), computed from the measured per-layer compute and communication, labelled as
-an estimate: compute per layer scales as 1/ranks for the split parts, the collectives per layer are
-taken as measured on 2 ranks (ring all-reduce time is nearly flat in the rank count at these sizes).
+are from the first, untimed pass). On GPUs decode is measured a second way too: replayed from one
+CUDA graph (backend_torch.GraphDecoder, the collectives captured in it), which removes Python's launch
+cost; the collectives cannot be timed inside a graph, so those rows have no share.
+
+Everything is measured twice: on the model, and on the same model cut to its first layer, so that one
+layer's cost (the difference) and the rest (embedding, head) are apart. --render prints the table and,
+given a 1-rank and a 2-rank run, an estimate for 8 GPUs and the whole model (--layers), labelled as an
+estimate: each part's per-token time fitted to t(r) = a + b / r over the two runs (see fit8).
 On the CPU (gloo) it runs too, for a smoke test.
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -24,26 +29,43 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def fit8(t1, t2, n=8):
+    """Per-token seconds on 1 and 2 ranks -> on n ranks, from t(r) = a + b / r fitted to the two (b: the
+    split work; a: what does not shrink, with the collectives). The collectives are absent on 1 rank, so
+    the fit carries 1 + 3/4 times the 2-rank collectives to n = 8: the ring all-reduce's 2(n-1)/n."""
+    b = 2 * (t1 - t2)
+    return (t1 - b) + b / n
+
+
 def render(runs, layers):
-    lines = ["| ranks | prefill tok/s | decode b1 tok/s | decode b32 tok/s | collectives, share of prefill / decode b1 / b32 |",
-             "|---|---|---|---|---|"]
+    lines = ["| ranks | prefill tok/s | decode b1 tok/s | decode b32 tok/s | collectives, share of prefill / decode b1 / b32 "
+             "| decode b1, CUDA graph | decode b32, CUDA graph |", "|---|---|---|---|---|---|---|"]
     for r in runs:
         m = r["measures"]
+        g = [f"{m[k]['tok_s']:.1f}" if k in m else "-" for k in ("decode_b1_graph", "decode_b32_graph")]
         lines.append(f"| {r['meta']['ranks']} | {m['prefill']['tok_s']:.0f} | {m['decode_b1']['tok_s']:.1f} | "
                      f"{m['decode_b32']['tok_s']:.0f} | " + " / ".join(f"{m[k]['comm_share']:.0%}" for k in
-                                                                        ("prefill", "decode_b1", "decode_b32")) + " |")
-    two = [r for r in runs if r["meta"]["ranks"] > 1]
-    if two:
-        r = two[0]
-        n, L = r["meta"]["ranks"], r["meta"]["layers"]
-        lines += ["", f"Estimate (not measured) for 8 ranks and {layers} layers, from the {n}-rank run's per-layer costs:"]
-        for k in ("prefill", "decode_b1", "decode_b32"):
-            m = r["measures"][k]
-            per_tok = 1 / m["tok_s"] / L                              # seconds per token per layer
-            comm, comp = per_tok * m["comm_share"], per_tok * (1 - m["comm_share"])
-            est = layers * (comp * n / 8 + comm)
-            lines.append(f"- {k}: {1 / est:.1f} tok/s (compute {layers * comp * n / 8 * 1e3:.2f} ms, "
-                         f"collectives {layers * comm * 1e3:.2f} ms per token)")
+                                                                        ("prefill", "decode_b1", "decode_b32"))
+                     + f" | {g[0]} | {g[1]} |")
+    one = [r for r in runs if r["meta"]["ranks"] == 1]
+    two = [r for r in runs if r["meta"]["ranks"] == 2]
+    if one and two and "cut" in one[0] and "cut" in two[0]:
+        L = one[0]["meta"]["layers"]
+        lines += ["", f"Estimate (not measured) for 8 ranks and {layers} layers: per-token time of one layer = (model "
+                  f"- the model cut to its first layer) / {L - 1}, the rest (embedding, head) = the cut model less one "
+                  "such layer; each fitted to t(r) = a + b / r on the 1- and 2-rank runs:"]
+        for k in ("prefill", "decode_b1_graph", "decode_b32_graph", "decode_b1", "decode_b32"):
+            if k not in one[0]["measures"] or k not in two[0]["measures"]:
+                continue
+            per = []
+            for r in (one[0], two[0]):
+                full, cut = 1 / r["measures"][k]["tok_s"], 1 / r["cut"][k]["tok_s"]
+                layer = (full - cut) / (L - 1)
+                per.append((cut - layer, layer))
+            fixed8, layer8 = fit8(per[0][0], per[1][0]), fit8(per[0][1], per[1][1])
+            t8 = fixed8 + layers * layer8
+            lines.append(f"- {k}: {1 / t8:.1f} tok/s ({layer8 * 1e3:.3f} ms a layer, {fixed8 * 1e3:.3f} ms the rest, "
+                         f"per token; 1 rank: {per[0][1] * 1e3:.3f} ms a layer)")
     return "\n".join(lines)
 
 
@@ -108,21 +130,44 @@ def main():
             else:
                 share = 0.0
             out[name] = {"tok_s": n / t, "comm_share": share}
+        if device != "cpu":                                        # decode replayed from one CUDA graph
+            import backend_torch
+            m.reserve(B, T + steps)
+            prefill()
+            g = backend_torch.GraphDecoder(m, B, T)
+            dev_tok = torch.as_tensor(tokens, device=device)
+
+            def graph_decode():
+                for s in range(steps):
+                    g(dev_tok[:, T + s:T + s + 1], T + s)
+            graph_decode()
+            out["decode_graph"] = {"tok_s": B * steps / run(graph_decode)}
         return out
 
-    res = {}
-    r = measure(1, a.prefill, a.steps)
-    res["prefill"], res["decode_b1"] = r["prefill"], r["decode"]
-    res["decode_b32"] = measure(a.batch, a.batch_prefill, a.steps)["decode"]      # (named b32 whatever --batch)
+    def all_measures():
+        res = {}
+        r = measure(1, a.prefill, a.steps)
+        res["prefill"], res["decode_b1"] = r["prefill"], r["decode"]
+        r32 = measure(a.batch, a.batch_prefill, a.steps)
+        res["decode_b32"] = r32["decode"]                                          # (named b32 whatever --batch)
+        if "decode_graph" in r:
+            res["decode_b1_graph"], res["decode_b32_graph"] = r["decode_graph"], r32["decode_graph"]
+        return res
+
+    res = all_measures()
+    L = m.args.num_hidden_layers
+    m.w["layers"], m.args, m.caches = m.w["layers"][:1], dataclasses.replace(m.args, num_hidden_layers=1), []
+    cut = all_measures()                                   # the same model cut to its first layer
+    m.args = dataclasses.replace(m.args, num_hidden_layers=L)
     ranks = ctx.world if ctx else 1
     if not ctx or ctx.rank == 0:
         meta = dict(ranks=ranks, layers=m.args.num_hidden_layers, ckpt=str(a.ckpt), date=time.strftime("%Y-%m-%d"),
                     gpu=torch.cuda.get_device_name() if device != "cpu" else "cpu", torch=torch.__version__,
                     prefill_tokens=a.prefill, steps=a.steps)
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        run_ = dict(meta=meta, measures=res)
+        run_ = dict(meta=meta, measures=res, cut=cut)
         (Path(a.out) / f"parallel_{ranks}.json").write_text(json.dumps(run_, indent=1))
-        print(render([run_], m.args.num_hidden_layers))
+        print(render([run_], L))
     if ctx:
         import torch.distributed as dist
         dist.destroy_process_group()

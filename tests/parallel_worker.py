@@ -1,6 +1,7 @@
 """Run by tests/test_parallel.py under torch.distributed.run (gloo, CPU): one rank of the parallel
 model on a checkpoint; rank 0 saves the logits of a prefill (every position), of a chunk after the
-cache and of greedy decode steps to OUT (.npz) for the test to compare with one process."""
+cache and of greedy decode steps to OUT (.npz) for the test to compare with one process (or, on GPUs,
+decode steps plain and replayed from a CUDA graph, for the test to compare with each other)."""
 import sys
 from pathlib import Path
 
@@ -32,11 +33,31 @@ def moe_op(m):  # one MoE layer's op on a fixed input (official numerics: the gr
     return dict(moe=m.opts.ops.moe(x.to(m.opts.ops.device), m.w["layers"][1]["ffn"], m.args, m.opts.official).cpu().numpy())
 
 
+def graph_decode(m):  # official numerics on GPUs: decode steps plain, then replayed from one CUDA graph
+    import backend_torch                                          # on the plain run's tokens (teacher-forced)
+    prompt = np.random.default_rng(1).integers(0, m.args.vocab_size, (2, 12))
+    m.reserve(2, 24)
+    feed, runs = [], {}
+    for how in ("plain", "graph"):
+        nxt = m.forward(prompt).argmax(-1, keepdim=True)
+        graph = backend_torch.GraphDecoder(m, 2, 12) if how == "graph" else None
+        steps = []
+        for s in range(6):
+            tok = nxt if how == "plain" else feed[s]
+            logits = graph(tok, 12 + s) if graph else m.forward(tok, start_pos=12 + s)
+            steps.append(logits.float().clone())
+            if how == "plain":
+                feed.append(tok)
+                nxt = logits.argmax(-1, keepdim=True)
+        runs[how] = torch.stack(steps, 1).cpu().numpy()
+    return runs
+
+
 def main(ckpt, out, numerics, attention, what="script"):
     ctx, device = parallel.init_from_env()
     m = Transformer.from_pretrained(ckpt, backend="torch", device=device, numerics=numerics, attention=attention,
                                     parallel=ctx)
-    res = script(m) if what == "script" else moe_op(m)
+    res = {"script": script, "moe": moe_op, "graph": graph_decode}[what](m)
     if dist.get_rank() == 0:
         np.savez(out, **res)
     dist.destroy_process_group()

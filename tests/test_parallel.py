@@ -71,6 +71,18 @@ def test_parallel_on_two_gpus_with_nccl_equals_one_gpu(ckpt, tmp_path):
     np.testing.assert_array_equal(got["steps"].argmax(-1), want["steps"].argmax(-1))
 
 
+@gpu
+def test_parallel_decode_replayed_from_a_cuda_graph_on_two_gpus(ckpt, tmp_path):
+    # official numerics, NCCL collectives captured in the graph: the replayed steps equal the plain ones
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    got = launch(ckpt, 2, tmp_path / "graph.npz", numerics="official", what="graph")
+    assert np.isfinite(got["plain"]).all()
+    err = rel_err(got["graph"], got["plain"])                     # the same kernels, attention over the capacity
+    assert err <= 1e-3, err
+    np.testing.assert_array_equal(got["graph"].argmax(-1), got["plain"].argmax(-1))
+
+
 def test_parallel_dense_attention_and_official_numerics_run(ckpt, tmp_path):
     want = single(ckpt, attention="dense")
     got = launch(ckpt, 2, tmp_path / "dense.npz", attention="dense")
