@@ -23,6 +23,7 @@ wrapper data. Every kernel runs on the CPU under TRITON_INTERPRET=1 (tests/test_
 the interpreter's fp32->fp8 and fp32->bf16 casts are defective (spec/kernels.md §4.3): the tests there
 allow exactly those defects and check bit-exactness on a GPU.
 """
+import functools
 import os
 
 import torch
@@ -233,6 +234,11 @@ def _pos_tensor(start_pos, device):  # an int, or a 0-d device tensor (captured 
     return torch.full((1,), int(start_pos), dtype=torch.int32, device=device)
 
 
+@functools.lru_cache(None)
+def _sm_count(device):  # streaming multiprocessors (132 on an H200; the interpreter: as an H200)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def _interpreted():
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -352,17 +358,19 @@ def _bucket(hist, need):  # 256-bin histogram, rank -> (the bin holding the need
 
 
 @triton.jit
-def _topk_list_kernel(SCORES, CAND, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
+def _topk_list_kernel(SCORES, CAND, CKEY, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
     """Top-k, step 1, for rows of at least 4 * SAMPLE causal keys (others write count -1). One program
     per (query row, segment of the row): a threshold from a strided sample of SAMPLE scores (its
     r-th largest key by radix select in registers, r safely above the k-th largest's expected rank;
     every program of a row finds the same one), then the segment's keys at or above it, listed in
-    index order in CAND[row, segment] (at most CAPS), and their count in CNT[row, segment]."""
+    index order in CAND[row, segment] (at most CAPS) with their ordered keys in CKEY (so that step 2
+    reads them contiguously), and their count in CNT[row, segment]."""
     row, seg, segs = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     n = tl.minimum(tl.load(POS) + row % T + 1, S)                      # causal keys of this query
     kk = tl.minimum(K, n)
     src = SCORES + row.to(tl.int64) * S
     cand = CAND + (row.to(tl.int64) * segs + seg) * CAPS
+    ckey = CKEY + (row.to(tl.int64) * segs + seg) * CAPS
     cnt = tl.full((), -1, tl.int32)
     if n >= 4 * SAMPLE:
         rs = tl.arange(0, SAMPLE)
@@ -382,15 +390,17 @@ def _topk_list_kernel(SCORES, CAND, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr
         cnt = tl.zeros((), tl.int32)
         for s0 in range(lo, hi, BLOCK):
             rb = s0 + tl.arange(0, BLOCK)
-            sel = (rb < hi) & (_ordered_key(tl.load(src + rb, mask=rb < hi, other=0.0)) >= tau)
+            key = _ordered_key(tl.load(src + rb, mask=rb < hi, other=0.0))
+            sel = (rb < hi) & (key >= tau)
             at = cnt + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(cand + at, rb, mask=sel & (at < CAPS))
+            tl.store(ckey + at, key.to(tl.uint32).to(tl.int32, bitcast=True), mask=sel & (at < CAPS))
             cnt += tl.sum(sel.to(tl.int32), axis=0)
     tl.store(CNT + row * segs + seg, cnt)
 
 
 @triton.jit
-def _listed(CAND, CNT, row, j, ok, CAPS, SEGS: tl.constexpr):  # positions j of a row's joined lists -> keys
+def _listed(CNT, row, j, CAPS, SEGS: tl.constexpr):  # positions j of a row's joined lists -> their offsets
     seg = tl.zeros_like(j)
     start = tl.zeros_like(j)                                           # where j's segment starts in the join
     acc = tl.zeros((), tl.int32)
@@ -399,11 +409,22 @@ def _listed(CAND, CNT, row, j, ok, CAPS, SEGS: tl.constexpr):  # positions j of 
         past = j >= acc
         seg += past.to(tl.int32)
         start = tl.where(past, acc, start)
-    return tl.load(CAND + (row.to(tl.int64) * SEGS + seg) * CAPS + (j - start), mask=ok, other=0)
+    return (row.to(tl.int64) * SEGS + seg) * CAPS + (j - start)
 
 
 @triton.jit
-def _topk_kernel(SCORES, OUT, CAND, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr):
+def _keys_at(SCORES, CKEY, CNT, row, S, rb, ok, listed, CAPS, SEGS: tl.constexpr):  # -> (offset or index, key)
+    if listed > 0:
+        at = _listed(CNT, row, rb, CAPS, SEGS)
+        u = tl.load(CKEY + at, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+    else:
+        at = rb.to(tl.int64)
+        u = _ordered_key(tl.load(SCORES + row.to(tl.int64) * S + rb, mask=ok, other=0.0))
+    return at, u
+
+
+@triton.jit
+def _topk_kernel(SCORES, OUT, CAND, CKEY, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr):
     """Reference: indexer.topk_select_ref (as indices). Top-k, step 2, one program per query row.
     When the row's segment lists (step 1) hold at least K keys and none overflowed (almost always),
     work on their join (in index order); otherwise on the whole row, so the result is exact either way.
@@ -414,7 +435,6 @@ def _topk_kernel(SCORES, OUT, CAND, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr
     row = tl.program_id(0)
     n = tl.minimum(tl.load(POS) + row % T + 1, S)                      # causal keys of this query
     kk = tl.minimum(K, n)
-    src = SCORES + row.to(tl.int64) * S
     dst = OUT + row.to(tl.int64) * K
     total = tl.zeros((), tl.int32)
     fits = tl.full((), 1, tl.int32)
@@ -432,8 +452,7 @@ def _topk_kernel(SCORES, OUT, CAND, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr
         hist = tl.zeros((256,), tl.int32)
         for s0 in range(0, m, BLOCK):
             rb = s0 + tl.arange(0, BLOCK)
-            at = tl.where(listed > 0, _listed(CAND, CNT, row, rb, rb < m * listed, CAPS, SEGS), rb)
-            u = _ordered_key(tl.load(src + at, mask=rb < m, other=0.0))
+            _, u = _keys_at(SCORES, CKEY, CNT, row, S, rb, rb < m, listed, CAPS, SEGS)
             ok = (rb < m) & ((u & hi_mask) == prefix)
             hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=ok)
         b, need = _bucket(hist, need)
@@ -445,13 +464,14 @@ def _topk_kernel(SCORES, OUT, CAND, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr
     for s0 in range(0, m, BLOCK):
         rb = s0 + tl.arange(0, BLOCK)
         ok = rb < m
-        at = tl.where(listed > 0, _listed(CAND, CNT, row, rb, rb < m * listed, CAPS, SEGS), rb)
-        u = _ordered_key(tl.load(src + at, mask=ok, other=0.0))
+        at, u = _keys_at(SCORES, CKEY, CNT, row, S, rb, ok, listed, CAPS, SEGS)
+        if listed > 0:
+            at = tl.load(CAND + at, mask=ok, other=0).to(tl.int64)   # the list's key indices
         eq = ok & (u == prefix)
         eq_rank = taken_eq + tl.cumsum(eq.to(tl.int32), axis=0)        # 1-based rank among equal keys, in index order
         sel = (ok & (u > prefix)) | (eq & (eq_rank <= need))
         pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(dst + pos, at, mask=sel)
+        tl.store(dst + pos, at.to(tl.int32), mask=sel)
         base += tl.sum(sel.to(tl.int32), axis=0)
         taken_eq += tl.sum(eq.to(tl.int32), axis=0)
     for s0 in range(0, K, BLOCK):                                      # pad the rest with -1
@@ -459,24 +479,27 @@ def _topk_kernel(SCORES, OUT, CAND, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr
         tl.store(dst + rk, tl.full((BLOCK,), -1, tl.int32), mask=(rk >= kk) & (rk < K))
 
 
-def topk_indices(scores, K, start_pos, block=2048, num_warps=8, sample=2048, cap=None, segments=None, programs=264):
+def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, cap=None, segments=None, programs=264):
     """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
     causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K.
     Rows of at least 4 * sample keys first list the keys above a sampled threshold, in `segments`
-    pieces per row (enough programs to fill the GPU for a few rows), each list at most cap keys."""
+    pieces per row (enough programs to fill the GPU for a few rows), each list at most cap keys.
+    Tiles (H200 sweeps): 2048 keys a step with 8 warps for a few decode rows, 1024 with 4 for many."""
     if scores.dim() != 3 or K < 1:
         raise ValueError(f"topk_indices: scores {tuple(scores.shape)} is not [B, T, S] or K = {K} < 1")
     B, T, S = scores.shape
     rows = B * T
     segs = segments or max(1, min(8, programs // rows))
+    many = rows >= 1024
+    block, num_warps = block or (1024 if many else 2048), num_warps or (4 if many else 8)
     caps = cap or 2 * (4 * K + 1024) // segs                           # room for the sampled threshold's list
     block = max(16, min(block, triton.next_power_of_2(S)))
     scores, pos = scores.float().contiguous(), _pos_tensor(start_pos, scores.device)
     out = torch.empty(B, T, K, dtype=torch.int32, device=scores.device)
-    cand = torch.empty(rows * segs, caps, dtype=torch.int32, device=scores.device)
+    cand = torch.empty(2, rows * segs, caps, dtype=torch.int32, device=scores.device)   # indices, keys
     cnt = torch.empty(rows, segs, dtype=torch.int32, device=scores.device)
-    _topk_list_kernel[(rows, segs)](scores, cand, cnt, pos, T, S, K, caps, BLOCK=block, SAMPLE=sample, num_warps=num_warps)
-    _topk_kernel[(rows,)](scores, out, cand, cnt, pos, T, S, K, caps, BLOCK=block, SEGS=segs, num_warps=num_warps)
+    _topk_list_kernel[(rows, segs)](scores, cand[0], cand[1], cnt, pos, T, S, K, caps, BLOCK=block, SAMPLE=sample, num_warps=num_warps)
+    _topk_kernel[(rows,)](scores, out, cand[0], cand[1], cnt, pos, T, S, K, caps, BLOCK=block, SEGS=segs, num_warps=num_warps)
     return out
 
 
@@ -675,8 +698,11 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
     idx = cache if dense else idx.to(torch.int32).contiguous()       # DENSE: IDX unused
     block_h = block_h or max(16, min(64, triton.next_power_of_2(H)))
     hb = triton.cdiv(H, block_h)
-    if splits is None:                                 # fill the GPU, with at least 128 entries per split
-        splits = max(1, min(triton.cdiv(ksel, 128), triton.cdiv(264, B * T * hb), 1 << 20 if dense else 16))
+    if splits is None:
+        if dense:                                      # the walk's length is known only on the device: two
+            splits = max(1, min(triton.cdiv(ksel, 128), triton.cdiv(2 * _sm_count(qa.device), B * T * hb)))  # waves
+        else:                                          # one wave, at least 64 entries per split (H200 sweep)
+            splits = max(1, min(triton.cdiv(ksel, 64), _sm_count(qa.device) // (B * T * hb), 32))
     per = triton.cdiv(triton.cdiv(ksel, splits), block_n) * block_n
     splits = triton.cdiv(ksel, per)
     o = torch.empty(B * T, splits, H, C, dtype=out_dtype if splits == 1 else torch.float32, device=qa.device)
