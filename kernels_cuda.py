@@ -358,19 +358,21 @@ def _bucket(hist, need):  # 256-bin histogram, rank -> (the bin holding the need
 
 
 @triton.jit
-def _topk_list_kernel(SCORES, CAND, CKEY, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
+def _topk_list_kernel(SCORES, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
+                      STAGES: tl.constexpr):
     """Top-k, step 1, for rows of at least 4 * SAMPLE causal keys (others write count -1). One program
     per (query row, segment of the row): a threshold from a strided sample of SAMPLE scores (its
     r-th largest key by radix select in registers, r safely above the k-th largest's expected rank;
-    every program of a row finds the same one), then the segment's keys at or above it, listed in
-    index order in CAND[row, segment] (at most CAPS) with their ordered keys in CKEY (so that step 2
-    reads them contiguously), and their count in CNT[row, segment]."""
+    every program of a row finds the same one, and compares scores with it as a float, which costs
+    fewer integer operations per key), then the segment's keys at or above it, listed in index order
+    in CAND[row, segment] (at most CAPS) with their scores in CSCORE (so that step 2 reads them
+    contiguously), and their count in CNT[row, segment]."""
     row, seg, segs = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     n = tl.minimum(tl.load(POS) + row % T + 1, S)                      # causal keys of this query
     kk = tl.minimum(K, n)
     src = SCORES + row.to(tl.int64) * S
     cand = CAND + (row.to(tl.int64) * segs + seg) * CAPS
-    ckey = CKEY + (row.to(tl.int64) * segs + seg) * CAPS
+    cscore = CSCORE + (row.to(tl.int64) * segs + seg) * CAPS
     cnt = tl.full((), -1, tl.int32)
     if n >= 4 * SAMPLE:
         rs = tl.arange(0, SAMPLE)
@@ -384,17 +386,18 @@ def _topk_list_kernel(SCORES, CAND, CKEY, CNT, POS, T, S, K, CAPS, BLOCK: tl.con
             b, r = _bucket(hist, r)
             tau |= b.to(tl.int64) << (24 - 8 * p)
             tau_mask |= 0xFF << (24 - 8 * p)
+        thr = tl.where(tau >= 0x80000000, tau - 0x80000000, 0xFFFFFFFF - tau).to(tl.uint32).to(tl.float32, bitcast=True)
         per = (n + segs * BLOCK - 1) // (segs * BLOCK) * BLOCK         # this segment's keys: [lo, hi)
         lo = seg * per
         hi = tl.minimum(lo + per, n)
         cnt = tl.zeros((), tl.int32)
-        for s0 in range(lo, hi, BLOCK):
+        for s0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
             rb = s0 + tl.arange(0, BLOCK)
-            key = _ordered_key(tl.load(src + rb, mask=rb < hi, other=0.0))
-            sel = (rb < hi) & (key >= tau)
+            x = tl.load(src + rb, mask=rb < hi, other=0.0)
+            sel = (rb < hi) & (x >= thr)                               # key >= tau, as floats (-0 == +0)
             at = cnt + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(cand + at, rb, mask=sel & (at < CAPS))
-            tl.store(ckey + at, key.to(tl.uint32).to(tl.int32, bitcast=True), mask=sel & (at < CAPS))
+            tl.store(cscore + at, x, mask=sel & (at < CAPS))
             cnt += tl.sum(sel.to(tl.int32), axis=0)
     tl.store(CNT + row * segs + seg, cnt)
 
@@ -413,10 +416,10 @@ def _listed(CNT, row, j, CAPS, SEGS: tl.constexpr):  # positions j of a row's jo
 
 
 @triton.jit
-def _keys_at(SCORES, CKEY, CNT, row, S, rb, ok, listed, CAPS, SEGS: tl.constexpr):  # -> (offset or index, key)
+def _keys_at(SCORES, CSCORE, CNT, row, S, rb, ok, listed, CAPS, SEGS: tl.constexpr):  # -> (offset or index, key)
     if listed > 0:
         at = _listed(CNT, row, rb, CAPS, SEGS)
-        u = tl.load(CKEY + at, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        u = _ordered_key(tl.load(CSCORE + at, mask=ok, other=0.0))
     else:
         at = rb.to(tl.int64)
         u = _ordered_key(tl.load(SCORES + row.to(tl.int64) * S + rb, mask=ok, other=0.0))
@@ -424,7 +427,7 @@ def _keys_at(SCORES, CKEY, CNT, row, S, rb, ok, listed, CAPS, SEGS: tl.constexpr
 
 
 @triton.jit
-def _topk_kernel(SCORES, OUT, CAND, CKEY, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr):
+def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr):
     """Reference: indexer.topk_select_ref (as indices). Top-k, step 2, one program per query row.
     When the row's segment lists (step 1) hold at least K keys and none overflowed (almost always),
     work on their join (in index order); otherwise on the whole row, so the result is exact either way.
@@ -452,7 +455,7 @@ def _topk_kernel(SCORES, OUT, CAND, CKEY, CNT, POS, T, S, K, CAPS, BLOCK: tl.con
         hist = tl.zeros((256,), tl.int32)
         for s0 in range(0, m, BLOCK):
             rb = s0 + tl.arange(0, BLOCK)
-            _, u = _keys_at(SCORES, CKEY, CNT, row, S, rb, rb < m, listed, CAPS, SEGS)
+            _, u = _keys_at(SCORES, CSCORE, CNT, row, S, rb, rb < m, listed, CAPS, SEGS)
             ok = (rb < m) & ((u & hi_mask) == prefix)
             hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=ok)
         b, need = _bucket(hist, need)
@@ -464,7 +467,7 @@ def _topk_kernel(SCORES, OUT, CAND, CKEY, CNT, POS, T, S, K, CAPS, BLOCK: tl.con
     for s0 in range(0, m, BLOCK):
         rb = s0 + tl.arange(0, BLOCK)
         ok = rb < m
-        at, u = _keys_at(SCORES, CKEY, CNT, row, S, rb, ok, listed, CAPS, SEGS)
+        at, u = _keys_at(SCORES, CSCORE, CNT, row, S, rb, ok, listed, CAPS, SEGS)
         if listed > 0:
             at = tl.load(CAND + at, mask=ok, other=0).to(tl.int64)   # the list's key indices
         eq = ok & (u == prefix)
@@ -479,27 +482,31 @@ def _topk_kernel(SCORES, OUT, CAND, CKEY, CNT, POS, T, S, K, CAPS, BLOCK: tl.con
         tl.store(dst + rk, tl.full((BLOCK,), -1, tl.int32), mask=(rk >= kk) & (rk < K))
 
 
-def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, cap=None, segments=None, programs=264):
+def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, cap=None, segments=None, programs=264,
+                 stages=3):
     """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
     causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K.
     Rows of at least 4 * sample keys first list the keys above a sampled threshold, in `segments`
     pieces per row (enough programs to fill the GPU for a few rows), each list at most cap keys.
-    Tiles (H200 sweeps): 2048 keys a step with 8 warps for a few decode rows, 1024 with 4 for many."""
+    Tiles (H200 sweeps): 2048 keys a step with 8 warps for a few decode rows, 512 with 4 for many;
+    step 1 streams its row through `stages` pipelined loads."""
     if scores.dim() != 3 or K < 1:
         raise ValueError(f"topk_indices: scores {tuple(scores.shape)} is not [B, T, S] or K = {K} < 1")
     B, T, S = scores.shape
     rows = B * T
     segs = segments or max(1, min(8, programs // rows))
     many = rows >= 1024
-    block, num_warps = block or (1024 if many else 2048), num_warps or (4 if many else 8)
+    block, num_warps = block or (512 if many else 2048), num_warps or (4 if many else 8)
     caps = cap or 2 * (4 * K + 1024) // segs                           # room for the sampled threshold's list
     block = max(16, min(block, triton.next_power_of_2(S)))
     scores, pos = scores.float().contiguous(), _pos_tensor(start_pos, scores.device)
     out = torch.empty(B, T, K, dtype=torch.int32, device=scores.device)
-    cand = torch.empty(2, rows * segs, caps, dtype=torch.int32, device=scores.device)   # indices, keys
+    cand = torch.empty(2, rows * segs, caps, dtype=torch.int32, device=scores.device)   # indices, scores
     cnt = torch.empty(rows, segs, dtype=torch.int32, device=scores.device)
-    _topk_list_kernel[(rows, segs)](scores, cand[0], cand[1], cnt, pos, T, S, K, caps, BLOCK=block, SAMPLE=sample, num_warps=num_warps)
-    _topk_kernel[(rows,)](scores, out, cand[0], cand[1], cnt, pos, T, S, K, caps, BLOCK=block, SEGS=segs, num_warps=num_warps)
+    lists, listed = cand[0], cand[1].view(torch.float32)
+    _topk_list_kernel[(rows, segs)](scores, lists, listed, cnt, pos, T, S, K, caps, BLOCK=block, SAMPLE=sample, STAGES=stages,
+                                    num_warps=num_warps)
+    _topk_kernel[(rows,)](scores, out, lists, listed, cnt, pos, T, S, K, caps, BLOCK=block, SEGS=segs, num_warps=num_warps)
     return out
 
 

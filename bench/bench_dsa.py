@@ -161,7 +161,7 @@ def main():
     ms = timed(lambda: kernels_cuda.topk_indices(sc, KT, S - T))          # the defaults for many rows
     rows.append(dict(kernel="top-k prefill", shape=f"{T} rows, S={S} causal, k={KT}", ms=ms,
                      baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1)), bytes=4 * (T * S - T * (T - 1) // 2),
-                     config=dict(block=1024, num_warps=4)))
+                     config=dict(block=512, num_warps=4)))
     del sc
 
     # ---- sparse MLA decode (packed FP8 and bf16 caches) and prefill (bf16 cache)
