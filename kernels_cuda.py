@@ -737,8 +737,8 @@ def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=Non
     bounding the walk) -> (o [B, T, H, C] = softmax_s(scale * scores) c_s, lse [B, T, H] base 2).
     idx rows are topk_indices's: causal positions (<= start_pos + t) first, then -1, so a query reads
     at most start_pos + t + 1 entries. A query with nothing selected gets o = 0, lse = -inf.
-    For a few query tokens: the selected set is split so one sequence fills the GPU, and the splits
-    are combined by their log-sum-exp."""
+    For a few query tokens the selected set is split so that one wave of programs fills the GPU, and
+    the splits are combined by their log-sum-exp; with many (B=64) each query's set stays whole."""
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], splits,
                        out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop)
 
