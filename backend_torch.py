@@ -242,7 +242,7 @@ def torch_ops(device, kernels=True, dsa=None):
         if sel is None and T > 1:
             return dense_prefill(q_nope, q_pe, latent, p, start_pos, S, args, rnd, dt)
         qa = rnd(torch.einsum("bthn,hnc->bthc", q_nope.to(dt), W_UK).float())          # [B, T, H, C]
-        many = B * T * -(-H // 64) >= 132                                # enough programs without splits
+        many = B * T * -(-H // 64) >= dsa.sm_count(device)               # one wave of programs without splits
         fn = dsa.sparse_mla_prefill if many else dsa.sparse_mla_decode
         o, _ = fn(qa.to(dt), q_pe.to(dt), latent, sel, args.softmax_scale, start_pos, S=S, out_dtype=dt)
         o = rnd(o.float())                                               # weighted latent

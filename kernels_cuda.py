@@ -235,7 +235,7 @@ def _pos_tensor(start_pos, device):  # an int, or a 0-d device tensor (captured 
 
 
 @functools.lru_cache(None)
-def _sm_count(device):  # streaming multiprocessors (132 on an H200; the interpreter: as an H200)
+def sm_count(device):  # streaming multiprocessors (132 on an H200; the interpreter: as an H200)
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
@@ -707,9 +707,9 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
     hb = triton.cdiv(H, block_h)
     if splits is None:
         if dense:                                      # the walk's length is known only on the device: two
-            splits = max(1, min(triton.cdiv(ksel, 128), triton.cdiv(2 * _sm_count(qa.device), B * T * hb)))  # waves
+            splits = max(1, min(triton.cdiv(ksel, 128), triton.cdiv(2 * sm_count(qa.device), B * T * hb)))  # waves
         else:                                          # one wave, at least 64 entries per split (H200 sweep)
-            splits = max(1, min(triton.cdiv(ksel, 64), _sm_count(qa.device) // (B * T * hb), 32))
+            splits = max(1, min(triton.cdiv(ksel, 64), sm_count(qa.device) // (B * T * hb), 32))
     per = triton.cdiv(triton.cdiv(ksel, splits), block_n) * block_n
     splits = triton.cdiv(ksel, per)
     o = torch.empty(B * T, splits, H, C, dtype=out_dtype if splits == 1 else torch.float32, device=qa.device)

@@ -73,6 +73,7 @@ def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, arch=No
 
 latent_width = _k.latent_width
 topk_indices = _k.topk_indices                  # scores are fp32: nothing differs by architecture
+sm_count = _k.sm_count                          # compute units, as torch reports them
 
 
 def fp8_dtype(arch=None):  # what the indexer's FP8 key cache holds on this architecture

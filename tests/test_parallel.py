@@ -170,3 +170,13 @@ def test_parallel_benchmark_script_runs(ckpt, tmp_path):
                         str(tmp_path / "parallel_1.json"), str(tmp_path / "parallel_2.json")],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0 and "| 2 |" in r.stdout and "Estimate (not measured) for 8 ranks and 61 layers" in r.stdout
+
+
+def test_eight_rank_estimate_fit():
+    # bench_parallel.fit8 on times made from t(r) = a + b/r, plus collectives c on 2 ranks: the 8-rank
+    # estimate is a + b/8 + (7/4) c, the ring all-reduce's 2(n-1)/n growth from 2 to 8 ranks
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_parallel import fit8
+    a, b, c = 0.3e-3, 2.0e-3, 0.05e-3
+    assert abs(fit8(a + b, a + b / 2) - (a + b / 8)) <= 1e-12
+    assert abs(fit8(a + b, a + b / 2 + c) - (a + b / 8 + 1.75 * c)) <= 1e-12
