@@ -520,11 +520,11 @@ latent_width = quant.latent_width                                      # bytes o
 
 
 @triton.jit
-def _mma(a, b, DOT: tl.constexpr):  # DOT 0: float32 operands, exact products; 1, 2: bf16 / fp16 operands
+def _mma(a, b, DOT: tl.constexpr, acc=None):  # DOT 0: float32 operands, exact products; 1, 2: bf16 / fp16
     if DOT == 0:
-        c = tl.dot(a, b, input_precision="ieee")
+        c = tl.dot(a, b, acc, input_precision="ieee")
     else:
-        c = tl.dot(a, b, out_dtype=tl.float32)
+        c = tl.dot(a, b, acc, out_dtype=tl.float32)
     return c
 
 
@@ -540,13 +540,13 @@ def _operand(x, DOT: tl.constexpr):  # a loaded value -> the MMA operand type (v
 
 
 @triton.jit
-def _latent_half(C8, C32, row, ok, h, C: tl.constexpr, R: tl.constexpr, GW: tl.constexpr, PACKED: tl.constexpr,
-                 DECODE: tl.constexpr, DOT: tl.constexpr):
-    """Gather half h of the latent of cache rows -> [BLOCK_N, C/2] MMA operands. Packed rows: e4m3
-    codes times their group's scale (GW = the 128-value group, or the half if smaller), exact in
+def _latent_cols(C8, C32, row, ok, c0: tl.constexpr, CW: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                 PACKED: tl.constexpr, DECODE: tl.constexpr, DOT: tl.constexpr):
+    """Gather latent columns c0 .. c0 + CW of cache rows -> [BLOCK_N, CW] MMA operands. Packed rows:
+    e4m3 codes times their group's scale (GW = the 128-value group, or CW if smaller), exact in
     bf16; C8 is the cache as FP8 (bytes when DECODE), C32 as float32 words. Plain rows: as stored."""
-    CH: tl.constexpr = C // 2
-    rc = h * CH + tl.arange(0, CH)
+    GW: tl.constexpr = 128 if CW > 128 else CW
+    rc = c0 + tl.arange(0, CW)
     if PACKED:
         W: tl.constexpr = C + 4 * (C // 128) + 2 * R                   # bytes per row
         at = C8 + row[:, None] * W + rc[None, :]
@@ -554,14 +554,14 @@ def _latent_half(C8, C32, row, ok, h, C: tl.constexpr, R: tl.constexpr, GW: tl.c
             codes = _e4m3_decode(tl.load(at, mask=ok[:, None], other=0), False)
         else:
             codes = tl.load(at, mask=ok[:, None], other=0.0)
-        g = (h * CH) // 128 + tl.arange(0, CH // GW)                   # this half's scale groups
+        g = c0 // 128 + tl.arange(0, CW // GW)                         # these columns' scale groups
         scale = tl.load(C32 + row[:, None, None] * (W // 4) + C // 4 + g[None, :, None], mask=ok[:, None, None], other=0.0)
         if DOT == 1:                                                   # bf16 product: exact (power-of-two scale)
-            kv = tl.reshape(tl.reshape(codes.to(tl.bfloat16), (row.shape[0], CH // GW, GW)) * scale.to(tl.bfloat16),
-                            (row.shape[0], CH))
+            kv = tl.reshape(tl.reshape(codes.to(tl.bfloat16), (row.shape[0], CW // GW, GW)) * scale.to(tl.bfloat16),
+                            (row.shape[0], CW))
         else:
-            kv = _operand(tl.reshape(tl.reshape(codes.to(tl.float32), (row.shape[0], CH // GW, GW)) * scale,
-                                     (row.shape[0], CH)), DOT)
+            kv = _operand(tl.reshape(tl.reshape(codes.to(tl.float32), (row.shape[0], CW // GW, GW)) * scale,
+                                     (row.shape[0], CW)), DOT)
     else:
         kv = _operand(tl.load(C8 + row[:, None] * (C + R) + rc[None, :], mask=ok[:, None], other=0.0), DOT)
     return kv
@@ -582,31 +582,44 @@ def _rope_rows(C16, row, ok, C: tl.constexpr, R: tl.constexpr, PACKED: tl.conste
 
 @triton.jit
 def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, SPLIT, qk_scale,
-                       C: tl.constexpr, R: tl.constexpr, GW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        PACKED: tl.constexpr, DENSE: tl.constexpr, DOT: tl.constexpr, DECODE: tl.constexpr,
-                       QLOOP: tl.constexpr):
+                       QLOOP: tl.constexpr, HALVES: tl.constexpr):
     """Reference: attention.mqa_absorbed_ref's softmax(scale * (q^C W^UK . c + q^R . k^R)) c over the
     selected s. One program per (query token, block of heads, split of the selected set): gather the
-    selected rows by index (DENSE: walk the causal positions instead), scores in three MMAs (the two
-    latent halves, the rope part), online softmax in base 2 (running max m, sum l), the same gathered
-    latent halves as the values; writes the split's normalised output and its log2-sum-exp.
-    The latent is handled in two halves, each with its own accumulator, to keep tiles small; QLOOP
-    re-reads the query tile every step (from L2) instead of holding it in registers."""
+    selected rows by index (DENSE: walk the causal positions instead), scores z = q^C . c + q^R . k^R
+    in two MMAs (three with HALVES: the latent as two halves with an accumulator each, smaller tiles
+    for the FP8 cache's dequantised rows), online softmax in base 2 (running max m, sum l), the same
+    gathered latent rows as the values; writes the split's normalised output and its log2-sum-exp.
+    QLOOP re-reads the query tile every step (from L2) instead of holding it.
+
+    Two things here are for Triton's Hopper code generation, not for the maths. Triton lays a dot
+    whose result reaches another dot with all warps along its rows; with 64 heads and 8 warps both
+    warpgroups would then compute the same 64 x 64 score tile (1.5x the MMA work). So the score MMAs
+    start from accumulators the compiler cannot see to be zero (the selected-entry mask 0 / -inf, and
+    0 * n0), which keeps it from chaining them into one accumulator, and p and alpha are computed
+    under a branch it cannot fold (n0 < hi always holds in the loop): it no longer sees the chain,
+    splits the score tile by columns between the warpgroups and exchanges p through shared memory,
+    as FlashMLA does by hand. Measured on an H200: prefill 253 -> 320-331 TFLOP/s (bench/RESULTS.md)."""
     bt, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, t = bt // T, bt % T
     last = tl.load(POS) + t                                            # the query's position
     CH: tl.constexpr = C // 2
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = rh < H
-    rc, rr = tl.arange(0, CH), tl.arange(0, R)
+    rc, rr, rf = tl.arange(0, CH), tl.arange(0, R), tl.arange(0, C)
     head = bt.to(tl.int64) * H + rh
-    qa0 = _operand(tl.load(QA + head[:, None] * C + rc[None, :], mask=hm[:, None], other=0.0), DOT)
-    qa1 = _operand(tl.load(QA + head[:, None] * C + CH + rc[None, :], mask=hm[:, None], other=0.0), DOT)
+    if HALVES:
+        qa0 = _operand(tl.load(QA + head[:, None] * C + rc[None, :], mask=hm[:, None], other=0.0), DOT)
+        qa1 = _operand(tl.load(QA + head[:, None] * C + CH + rc[None, :], mask=hm[:, None], other=0.0), DOT)
+        acc0 = tl.zeros((BLOCK_H, CH), tl.float32)
+        acc1 = tl.zeros((BLOCK_H, CH), tl.float32)
+    else:
+        qa = _operand(tl.load(QA + head[:, None] * C + rf[None, :], mask=hm[:, None], other=0.0), DOT)
+        acc = tl.zeros((BLOCK_H, C), tl.float32)
     qp = _operand(tl.load(QPE + head[:, None] * R + rr[None, :], mask=hm[:, None], other=0.0), DOT)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
-    acc0 = tl.zeros((BLOCK_H, CH), tl.float32)
-    acc1 = tl.zeros((BLOCK_H, CH), tl.float32)
     lo = sp * SPLIT
     hi = tl.minimum(lo + SPLIT, last + 1)                              # at most position + 1 causal entries
     if not DENSE:
@@ -620,29 +633,49 @@ def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, S
             s = tl.load(IDX + bt.to(tl.int64) * KSEL + rn, mask=rn < hi, other=-1)   # selected positions (-1: none)
             ok = s >= 0
         row = b.to(tl.int64) * L + tl.where(ok, s, 0)
-        kv0 = _latent_half(C8, C32, row, ok, 0, C, R, GW, PACKED, DECODE, DOT)
-        kv1 = _latent_half(C8, C32, row, ok, 1, C, R, GW, PACKED, DECODE, DOT)
         pe = _rope_rows(C16, row, ok, C, R, PACKED, DOT)
         if QLOOP:                                                      # registers for the accumulators instead
-            qa0 = _operand(tl.load(QA + head[:, None] * C + rc[None, :], mask=hm[:, None], other=0.0), DOT)
-            qa1 = _operand(tl.load(QA + head[:, None] * C + CH + rc[None, :], mask=hm[:, None], other=0.0), DOT)
             qp = _operand(tl.load(QPE + head[:, None] * R + rr[None, :], mask=hm[:, None], other=0.0), DOT)
-        z = _mma(qa0, tl.trans(kv0), DOT) + _mma(qa1, tl.trans(kv1), DOT) + _mma(qp, tl.trans(pe), DOT)
-        z = tl.where(ok[None, :], z * qk_scale, float("-inf"))         # qk_scale = softmax scale * log2(e)
+        z_mask = tl.where(ok[None, :], tl.zeros((BLOCK_H, BLOCK_N), tl.float32), float("-inf"))
+        z_zero = tl.zeros((BLOCK_H, BLOCK_N), tl.float32) + n0 * 0.0   # see the docstring
+        if HALVES:
+            kv0 = _latent_cols(C8, C32, row, ok, 0, CH, C, R, PACKED, DECODE, DOT)
+            kv1 = _latent_cols(C8, C32, row, ok, CH, CH, C, R, PACKED, DECODE, DOT)
+            if QLOOP:
+                qa0 = _operand(tl.load(QA + head[:, None] * C + rc[None, :], mask=hm[:, None], other=0.0), DOT)
+                qa1 = _operand(tl.load(QA + head[:, None] * C + CH + rc[None, :], mask=hm[:, None], other=0.0), DOT)
+            z = _mma(qa0, tl.trans(kv0), DOT, z_mask) + _mma(qa1, tl.trans(kv1), DOT, z_zero) \
+                + _mma(qp, tl.trans(pe), DOT, z_zero)
+        else:
+            kv = _latent_cols(C8, C32, row, ok, 0, C, C, R, PACKED, DECODE, DOT)
+            if QLOOP:
+                qa = _operand(tl.load(QA + head[:, None] * C + rf[None, :], mask=hm[:, None], other=0.0), DOT)
+            z = _mma(qa, tl.trans(kv), DOT, z_mask) + _mma(qp, tl.trans(pe), DOT, z_zero)
+        z = z * qk_scale                                               # qk_scale = softmax scale * log2(e)
         m_new = tl.maximum(m, tl.max(z, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # nothing valid yet: no NaN
-        p = tl.exp2(z - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
+        if n0 < hi:                                                    # always: see the docstring
+            p = tl.exp2(z - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
+        else:
+            p = tl.exp2(z - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
         pd = _operand(p, DOT)
-        acc0 = acc0 * alpha[:, None] + _mma(pd, kv0, DOT)              # the latent rows are the values
-        acc1 = acc1 * alpha[:, None] + _mma(pd, kv1, DOT)
+        if HALVES:                                                     # the latent rows are the values
+            acc0 = acc0 * alpha[:, None] + _mma(pd, kv0, DOT)
+            acc1 = acc1 * alpha[:, None] + _mma(pd, kv1, DOT)
+        else:
+            acc = acc * alpha[:, None] + _mma(pd, kv, DOT)
         m = m_new
     inv = 1.0 / tl.where(l > 0, l, 1.0)
     lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
     part = (bt.to(tl.int64) * tl.num_programs(2) + sp) * H + rh
-    tl.store(O + part[:, None] * C + rc[None, :], (acc0 * inv[:, None]).to(O.dtype.element_ty), mask=hm[:, None])
-    tl.store(O + part[:, None] * C + CH + rc[None, :], (acc1 * inv[:, None]).to(O.dtype.element_ty), mask=hm[:, None])
+    if HALVES:
+        tl.store(O + part[:, None] * C + rc[None, :], (acc0 * inv[:, None]).to(O.dtype.element_ty), mask=hm[:, None])
+        tl.store(O + part[:, None] * C + CH + rc[None, :], (acc1 * inv[:, None]).to(O.dtype.element_ty), mask=hm[:, None])
+    else:
+        tl.store(O + part[:, None] * C + rf[None, :], (acc * inv[:, None]).to(O.dtype.element_ty), mask=hm[:, None])
     tl.store(LSE + part, lse, mask=hm)
 
 
@@ -679,7 +712,7 @@ def _mla_combine_kernel(O_PART, LSE_PART, O, LSE, POS, T, H, SPLITS, SPLIT, KSEL
 
 
 def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, block_h, block_n, num_warps,
-                num_stages, decode, q_in_loop=False):
+                num_stages, decode, q_in_loop, halves):
     B, T, H, C = qa.shape
     R, L = q_pe.shape[-1], cache.shape[1]
     packed = cache.dtype == torch.uint8
@@ -704,6 +737,9 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
     ksel = S if dense else idx.shape[-1]
     idx = cache if dense else idx.to(torch.int32).contiguous()       # DENSE: IDX unused
     block_h = block_h or max(16, min(64, triton.next_power_of_2(H)))
+    if halves is None:                                 # H200: FP8 rows dequantised in halves, bf16 rows whole
+        halves = cache.dtype != torch.bfloat16         # (float32 rows: half the shared memory)
+    num_stages = num_stages or (2 if cache.dtype == torch.bfloat16 else 1)
     hb = triton.cdiv(H, block_h)
     if splits is None:
         if dense:                                      # the walk's length is known only on the device: two
@@ -716,8 +752,8 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
     lse = torch.empty(B * T, splits, H, dtype=torch.float32, device=qa.device)
     _sparse_mla_kernel[(B * T, hb, splits)](
         qa.contiguous(), q_pe.contiguous(), c8, c32, c16, idx, _pos_tensor(start_pos, qa.device), o, lse,
-        T, H, ksel, L, per, scale * 1.4426950408889634, C=C, R=R, GW=min(128, C // 2), BLOCK_H=block_h, BLOCK_N=block_n,
-        PACKED=packed, DENSE=dense, DOT=dot, DECODE=decode, QLOOP=q_in_loop, num_warps=num_warps, num_stages=num_stages)
+        T, H, ksel, L, per, scale * 1.4426950408889634, C=C, R=R, BLOCK_H=block_h, BLOCK_N=block_n,
+        PACKED=packed, DENSE=dense, DOT=dot, DECODE=decode, QLOOP=q_in_loop, HALVES=halves, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:                                     # combine the splits by their log-sum-exp
         o_part, lse_part = o, lse
         o = torch.empty(B * T, H, C, dtype=out_dtype, device=qa.device)
@@ -730,7 +766,8 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
 
 
 def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=None, out_dtype=torch.float32,
-                      block_h=None, block_n=64, num_warps=8, num_stages=1, decode=False, q_in_loop=False):
+                      block_h=None, block_n=64, num_warps=8, num_stages=None, decode=False, q_in_loop=False,
+                      halves=None):
     """qa [B, T, H, C] (the query absorbed into the latent space, q^C W^UK), q_pe [B, T, H, R], cache
     [>=B, L, W] one row per token (packed FP8 uint8 rows of latent_width(C, R) bytes, or bf16 / float32
     [C + R]), idx [B, T, K] selected positions or None (dense: every position <= start_pos + t, S
@@ -738,14 +775,17 @@ def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=Non
     idx rows are topk_indices's: causal positions (<= start_pos + t) first, then -1, so a query reads
     at most start_pos + t + 1 entries. A query with nothing selected gets o = 0, lse = -inf.
     For a few query tokens the selected set is split so that one wave of programs fills the GPU, and
-    the splits are combined by their log-sum-exp; with many (B=64) each query's set stays whole."""
+    the splits are combined by their log-sum-exp; with many (B=64) each query's set stays whole.
+    Tiles: block_h heads x block_n entries per step, num_stages (None: 2 for bf16 rows, else 1),
+    halves (None: all but bf16 rows) = the latent in two halves, q_in_loop = re-read the query."""
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], splits,
-                       out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop)
+                       out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves)
 
 
 def sparse_mla_prefill(qa, q_pe, cache, idx, scale, start_pos, S=None, out_dtype=torch.bfloat16,
-                       block_h=None, block_n=64, num_warps=8, num_stages=2, decode=False, q_in_loop=False):
+                       block_h=None, block_n=64, num_warps=8, num_stages=2, decode=False, q_in_loop=True,
+                       halves=None):
     """sparse_mla_decode's arguments for a chunk of many queries: one program per (query, block of
     heads) over its whole selected set, the output written directly in out_dtype (no combine)."""
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], 1,
-                       out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop)
+                       out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves)
