@@ -287,7 +287,8 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
     tq = [torch.from_numpy(a.astype(np.float32)).to(DEV) for a in (qa, qp)]
     sel_t = None if dense else torch.from_numpy(idx).to(DEV)
     decode = cache_fmt == "fp8" and bool(rng.integers(0, 2))  # bytes decoded by integer arithmetic (gfx90a/gfx942)
-    tiles = dict(block_n=16, q_in_loop=bool(rng.integers(0, 2)), halves=bool(rng.integers(0, 2)))
+    tiles = dict(block_n=16, q_in_loop=bool(rng.integers(0, 2)), halves=bool(rng.integers(0, 2)),
+                 late_sum=bool(rng.integers(0, 2)))
     if splits == 1:
         got, lse = kernels_cuda.sparse_mla_prefill(*tq, cache, sel_t, scale, past, S=past + T, out_dtype=torch.float32,
                                                    decode=decode, **tiles)
