@@ -689,30 +689,31 @@ def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, S
 
 @triton.jit
 def _mla_combine_kernel(O_PART, LSE_PART, O, LSE, POS, T, H, SPLITS, SPLIT, KSEL, C: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, DENSE: tl.constexpr):
+                        BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, DENSE: tl.constexpr):
     """The splits of one query's heads -> its output: o = sum_s 2^(lse_s - lse) o_s, lse = log2 sum_s 2^lse_s
     (a query with no keys anywhere: o = 0, lse = -inf). Only the splits that can hold entries of the
-    query (up to its position + 1, or K) are read. One program per (query, heads, BLOCK_C columns)."""
+    query (up to its position + 1, or K) are read, all BLOCK_S >= SPLITS of them in one load (no
+    loop of dependent loads: batch-1 decode waits on this kernel). One program per (query, heads,
+    BLOCK_C columns)."""
     bt, hb, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hm = rh < H
     rc = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    rs = tl.arange(0, BLOCK_S)
+    hm = rh < H
     base = bt.to(tl.int64) * SPLITS * H
     n = tl.load(POS) + bt % T + 1                                      # entries this query can have
     if not DENSE:
         n = tl.minimum(n, KSEL)
     live = tl.minimum((n + SPLIT - 1) // SPLIT, SPLITS)
-    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for sp in range(0, live):
-        m = tl.maximum(m, tl.load(LSE_PART + base + sp * H + rh, mask=hm, other=float("-inf")))
+    sm = (rs < live)[:, None] & hm[None, :]                            # [S, BLOCK_H]
+    lse_s = tl.load(LSE_PART + base + rs[:, None] * H + rh[None, :], mask=sm, other=float("-inf"))
+    m = tl.max(lse_s, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
-    for sp in range(0, live):
-        wt = tl.exp2(tl.load(LSE_PART + base + sp * H + rh, mask=hm, other=float("-inf")) - m_safe)
-        l += wt
-        acc += wt[:, None] * tl.load(O_PART + (base + sp * H + rh)[:, None] * C + rc[None, :], mask=hm[:, None], other=0.0)
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    wt = tl.exp2(lse_s - m_safe[None, :])                              # [S, BLOCK_H], 0 where not live
+    l = tl.sum(wt, 0)
+    o_s = tl.load(O_PART + ((base + rs[:, None] * H + rh[None, :]) * C)[:, :, None] + rc[None, None, :],
+                  mask=sm[:, :, None], other=0.0)                      # [S, BLOCK_H, BLOCK_C]
+    o = tl.sum(wt[:, :, None] * o_s, 0) / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(O + (bt.to(tl.int64) * H + rh)[:, None] * C + rc[None, :], o.to(O.dtype.element_ty), mask=hm[:, None])
     if cb == 0:
         tl.store(LSE + bt.to(tl.int64) * H + rh, tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf")),
@@ -767,10 +768,12 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
         o_part, lse_part = o, lse
         o = torch.empty(B * T, H, C, dtype=out_dtype, device=qa.device)
         lse = torch.empty(B * T, H, dtype=torch.float32, device=qa.device)
-        bc = min(C, 128)
-        _mla_combine_kernel[(B * T, triton.cdiv(H, 8), C // bc)](o_part, lse_part, o, lse, _pos_tensor(start_pos, qa.device),
-                                                                 T, H, splits, per, ksel, C=C, BLOCK_H=8, BLOCK_C=bc,
-                                                                 DENSE=dense, num_warps=4)
+        bs = triton.next_power_of_2(splits)            # a [bs, bh, bc] tile of partial outputs: <= 8192 values
+        bc = min(C, max(16, 8192 // bs // 4))
+        bh = max(1, min(4, 8192 // (bs * bc)))
+        _mla_combine_kernel[(B * T, triton.cdiv(H, bh), C // bc)](o_part, lse_part, o, lse, _pos_tensor(start_pos, qa.device),
+                                                                  T, H, splits, per, ksel, C=C, BLOCK_S=bs, BLOCK_H=bh,
+                                                                  BLOCK_C=bc, DENSE=dense, num_warps=4)
     return o.reshape(B, T, H, C), lse.reshape(B, T, H)
 
 
