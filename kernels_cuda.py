@@ -541,21 +541,25 @@ def _operand(x, DOT: tl.constexpr):  # a loaded value -> the MMA operand type (v
 
 @triton.jit
 def _latent_cols(C8, C32, row, ok, c0: tl.constexpr, CW: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-                 PACKED: tl.constexpr, DECODE: tl.constexpr, DOT: tl.constexpr):
+                 PACKED: tl.constexpr, DECODE: tl.constexpr, DOT: tl.constexpr, CLAMP: tl.constexpr):
     """Gather latent columns c0 .. c0 + CW of cache rows -> [BLOCK_N, CW] MMA operands. Packed rows:
     e4m3 codes times their group's scale (GW = the 128-value group, or CW if smaller), exact in
-    bf16; C8 is the cache as FP8 (bytes when DECODE), C32 as float32 words. Plain rows: as stored."""
+    bf16; C8 is the cache as FP8 (bytes when DECODE), C32 as float32 words. Plain rows: as stored.
+    Rows not ok read as 0, or (CLAMP) are read unmasked: the caller points them at a written row."""
     GW: tl.constexpr = 128 if CW > 128 else CW
     rc = c0 + tl.arange(0, CW)
     if PACKED:
         W: tl.constexpr = C + 4 * (C // 128) + 2 * R                   # bytes per row
         at = C8 + row[:, None] * W + rc[None, :]
-        if DECODE:                                                     # bytes decoded by integer arithmetic
-            codes = _e4m3_decode(tl.load(at, mask=ok[:, None], other=0), False)
-        else:
-            codes = tl.load(at, mask=ok[:, None], other=0.0)
         g = c0 // 128 + tl.arange(0, CW // GW)                         # these columns' scale groups
-        scale = tl.load(C32 + row[:, None, None] * (W // 4) + C // 4 + g[None, :, None], mask=ok[:, None, None], other=0.0)
+        at_s = C32 + row[:, None, None] * (W // 4) + C // 4 + g[None, :, None]
+        if CLAMP:
+            codes, scale = tl.load(at), tl.load(at_s)
+        else:
+            codes = tl.load(at, mask=ok[:, None], other=0 if DECODE else 0.0)
+            scale = tl.load(at_s, mask=ok[:, None, None], other=0.0)
+        if DECODE:                                                     # bytes decoded by integer arithmetic
+            codes = _e4m3_decode(codes, False)
         if DOT == 1:                                                   # bf16 product: exact (power-of-two scale)
             kv = tl.reshape(tl.reshape(codes.to(tl.bfloat16), (row.shape[0], CW // GW, GW)) * scale.to(tl.bfloat16),
                             (row.shape[0], CW))
@@ -563,28 +567,31 @@ def _latent_cols(C8, C32, row, ok, c0: tl.constexpr, CW: tl.constexpr, C: tl.con
             kv = _operand(tl.reshape(tl.reshape(codes.to(tl.float32), (row.shape[0], CW // GW, GW)) * scale,
                                      (row.shape[0], CW)), DOT)
     else:
-        kv = _operand(tl.load(C8 + row[:, None] * (C + R) + rc[None, :], mask=ok[:, None], other=0.0), DOT)
+        at = C8 + row[:, None] * (C + R) + rc[None, :]
+        kv = _operand(tl.load(at) if CLAMP else tl.load(at, mask=ok[:, None], other=0.0), DOT)
     return kv
 
 
 @triton.jit
-def _rope_rows(C16, row, ok, C: tl.constexpr, R: tl.constexpr, PACKED: tl.constexpr, DOT: tl.constexpr):
+def _rope_rows(C16, row, ok, C: tl.constexpr, R: tl.constexpr, PACKED: tl.constexpr, DOT: tl.constexpr,
+               CLAMP: tl.constexpr):
     """Gather the rope part of cache rows -> [BLOCK_N, R] MMA operands (C16: the cache as 16-bit words,
-    or the plain cache)."""
+    or the plain cache); rows not ok as in _latent_cols."""
     rr = tl.arange(0, R)
     if PACKED:
         W: tl.constexpr = C + 4 * (C // 128) + 2 * R
-        pe = tl.load(C16 + row[:, None] * (W // 2) + (C + 4 * (C // 128)) // 2 + rr[None, :], mask=ok[:, None], other=0.0)
+        at = C16 + row[:, None] * (W // 2) + (C + 4 * (C // 128)) // 2 + rr[None, :]
     else:
-        pe = tl.load(C16 + row[:, None] * (C + R) + C + rr[None, :], mask=ok[:, None], other=0.0)
-    return _operand(pe, DOT)
+        at = C16 + row[:, None] * (C + R) + C + rr[None, :]
+    return _operand(tl.load(at) if CLAMP else tl.load(at, mask=ok[:, None], other=0.0), DOT)
 
 
 @triton.jit
 def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, SPLIT, qk_scale,
                        C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        PACKED: tl.constexpr, DENSE: tl.constexpr, DOT: tl.constexpr, DECODE: tl.constexpr,
-                       QLOOP: tl.constexpr, HALVES: tl.constexpr, LATE_SUM: tl.constexpr):
+                       QLOOP: tl.constexpr, HALVES: tl.constexpr, LATE_SUM: tl.constexpr, AHEAD: tl.constexpr,
+                       CLAMP: tl.constexpr, ROW64: tl.constexpr):
     """Reference: attention.mqa_absorbed_ref's softmax(scale * (q^C W^UK . c + q^R . k^R)) c over the
     selected s. One program per (query token, block of heads, split of the selected set): gather the
     selected rows by index (DENSE: walk the causal positions instead), scores z = q^C . c + q^R . k^R
@@ -627,30 +634,44 @@ def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, S
     hi = tl.minimum(lo + SPLIT, last + 1)                              # at most position + 1 causal entries
     if not DENSE:
         hi = tl.minimum(hi, KSEL)
+    W: tl.constexpr = C + 4 * (C // 128) + 2 * R if PACKED else C + R   # elements (PACKED: bytes) per row
+    C8 += b.to(tl.int64) * L * W                                       # this sequence's rows, indexed from
+    C32 += b.to(tl.int64) * L * (W // 4 if PACKED else W)              # here in 32 bits (64 if ROW64)
+    C16 += b.to(tl.int64) * L * (W // 2 if PACKED else W)
+    rb = tl.arange(0, BLOCK_N)
+    sel = IDX + bt.to(tl.int64) * KSEL                                 # this query's selected positions
+    if AHEAD and not DENSE:                                            # the first step's positions
+        s_next = tl.load(sel + lo + rb, mask=lo + rb < hi, other=-1)
     for n0 in range(lo, hi, BLOCK_N):
-        rn = n0 + tl.arange(0, BLOCK_N)
+        rn = n0 + rb
         if DENSE:
             s = rn
             ok = rn < hi
-        else:
-            s = tl.load(IDX + bt.to(tl.int64) * KSEL + rn, mask=rn < hi, other=-1)   # selected positions (-1: none)
+        else:                                                          # selected positions (-1: none)
+            if AHEAD:                                                  # loaded one step early
+                s = s_next
+                s_next = tl.load(sel + BLOCK_N + rn, mask=BLOCK_N + rn < hi, other=-1)
+            else:
+                s = tl.load(sel + rn, mask=rn < hi, other=-1)
             ok = s >= 0
-        row = b.to(tl.int64) * L + tl.where(ok, s, 0)
-        pe = _rope_rows(C16, row, ok, C, R, PACKED, DOT)
+        row = tl.where(ok, s, 0)
+        if ROW64:
+            row = row.to(tl.int64)
+        pe = _rope_rows(C16, row, ok, C, R, PACKED, DOT, CLAMP)
         if QLOOP:                                                      # registers for the accumulators instead
             qp = _operand(tl.load(QPE + head[:, None] * R + rr[None, :], mask=hm[:, None], other=0.0), DOT)
         z_mask = tl.where(ok[None, :], tl.zeros((BLOCK_H, BLOCK_N), tl.float32), float("-inf"))
         z_zero = tl.zeros((BLOCK_H, BLOCK_N), tl.float32) + n0 * 0.0   # see the docstring
         if HALVES:
-            kv0 = _latent_cols(C8, C32, row, ok, 0, CH, C, R, PACKED, DECODE, DOT)
-            kv1 = _latent_cols(C8, C32, row, ok, CH, CH, C, R, PACKED, DECODE, DOT)
+            kv0 = _latent_cols(C8, C32, row, ok, 0, CH, C, R, PACKED, DECODE, DOT, CLAMP)
+            kv1 = _latent_cols(C8, C32, row, ok, CH, CH, C, R, PACKED, DECODE, DOT, CLAMP)
             if QLOOP:
                 qa0 = _operand(tl.load(QA + head[:, None] * C + rc[None, :], mask=hm[:, None], other=0.0), DOT)
                 qa1 = _operand(tl.load(QA + head[:, None] * C + CH + rc[None, :], mask=hm[:, None], other=0.0), DOT)
             z = _mma(qa0, tl.trans(kv0), DOT, z_mask) + _mma(qa1, tl.trans(kv1), DOT, z_zero) \
                 + _mma(qp, tl.trans(pe), DOT, z_zero)
         else:
-            kv = _latent_cols(C8, C32, row, ok, 0, C, C, R, PACKED, DECODE, DOT)
+            kv = _latent_cols(C8, C32, row, ok, 0, C, C, R, PACKED, DECODE, DOT, CLAMP)
             if QLOOP:
                 qa = _operand(tl.load(QA + head[:, None] * C + rf[None, :], mask=hm[:, None], other=0.0), DOT)
             z = _mma(qa, tl.trans(kv), DOT, z_mask) + _mma(qp, tl.trans(pe), DOT, z_zero)
@@ -720,8 +741,11 @@ def _mla_combine_kernel(O_PART, LSE_PART, O, LSE, POS, T, H, SPLITS, SPLIT, KSEL
                  mask=hm)
 
 
+ROW32_LIMIT = 2 ** 31                                  # cache elements a sequence can hold with 32-bit row offsets
+
+
 def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, block_h, block_n, num_warps,
-                num_stages, decode, q_in_loop, halves, late_sum):
+                num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp):
     B, T, H, C = qa.shape
     R, L = q_pe.shape[-1], cache.shape[1]
     packed = cache.dtype == torch.uint8
@@ -763,7 +787,8 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
     _sparse_mla_kernel[(B * T, hb, splits)](
         qa.contiguous(), q_pe.contiguous(), c8, c32, c16, idx, _pos_tensor(start_pos, qa.device), o, lse,
         T, H, ksel, L, per, scale * 1.4426950408889634, C=C, R=R, BLOCK_H=block_h, BLOCK_N=block_n,
-        PACKED=packed, DENSE=dense, DOT=dot, DECODE=decode, QLOOP=q_in_loop, HALVES=halves, LATE_SUM=late_sum, num_warps=num_warps, num_stages=num_stages)
+        PACKED=packed, DENSE=dense, DOT=dot, DECODE=decode, QLOOP=q_in_loop, HALVES=halves, LATE_SUM=late_sum,
+        AHEAD=ahead, CLAMP=clamp, ROW64=L * width >= ROW32_LIMIT, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:                                     # combine the splits by their log-sum-exp
         o_part, lse_part = o, lse
         o = torch.empty(B * T, H, C, dtype=out_dtype, device=qa.device)
@@ -779,7 +804,7 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
 
 def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=None, out_dtype=torch.float32,
                       block_h=None, block_n=64, num_warps=8, num_stages=None, decode=False, q_in_loop=False,
-                      halves=None, late_sum=None):
+                      halves=None, late_sum=None, ahead=None, clamp=None):
     """qa [B, T, H, C] (the query absorbed into the latent space, q^C W^UK), q_pe [B, T, H, R], cache
     [>=B, L, W] one row per token (packed FP8 uint8 rows of latent_width(C, R) bytes, or bf16 / float32
     [C + R]), idx [B, T, K] selected positions or None (dense: every position <= start_pos + t, S
@@ -790,15 +815,22 @@ def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=Non
     the splits are combined by their log-sum-exp; with many (B=64) each query's set stays whole.
     Tiles: block_h heads x block_n entries per step, num_stages (None: 2 for bf16 rows, else 1),
     halves (None: all but bf16 rows) = the latent in two halves, q_in_loop = re-read the query,
-    late_sum (None: FP8 rows) = the softmax sum reduced once at the end (see _sparse_mla_kernel)."""
+    late_sum (None: FP8 rows) = the softmax sum reduced once at the end (see _sparse_mla_kernel),
+    ahead (None: all but FP8 rows) = each step's positions loaded one step early, clamp (None: FP8
+    rows) = unselected entries (-1) read the sequence's row 0 without load masks, their scores at
+    -inf (row 0 is written before any query can attend, so it holds finite values). The defaults are
+    the fastest on an H200 (bench/RESULTS.md)."""
+    packed = cache.dtype == torch.uint8
+    ahead = not packed if ahead is None else ahead
+    clamp = packed if clamp is None else clamp
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], splits,
-                       out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves, late_sum)
+                       out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp)
 
 
 def sparse_mla_prefill(qa, q_pe, cache, idx, scale, start_pos, S=None, out_dtype=torch.bfloat16,
                        block_h=None, block_n=64, num_warps=8, num_stages=2, decode=False, q_in_loop=True,
-                       halves=None, late_sum=None):
+                       halves=None, late_sum=None, ahead=False, clamp=False):
     """sparse_mla_decode's arguments for a chunk of many queries: one program per (query, block of
     heads) over its whole selected set, the output written directly in out_dtype (no combine)."""
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], 1,
-                       out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves, late_sum)
+                       out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp)

@@ -288,13 +288,17 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
     sel_t = None if dense else torch.from_numpy(idx).to(DEV)
     decode = cache_fmt == "fp8" and bool(rng.integers(0, 2))  # bytes decoded by integer arithmetic (gfx90a/gfx942)
     tiles = dict(block_n=16, q_in_loop=bool(rng.integers(0, 2)), halves=bool(rng.integers(0, 2)),
-                 late_sum=bool(rng.integers(0, 2)))
-    if splits == 1:
-        got, lse = kernels_cuda.sparse_mla_prefill(*tq, cache, sel_t, scale, past, S=past + T, out_dtype=torch.float32,
-                                                   decode=decode, **tiles)
-    else:
-        got, lse = kernels_cuda.sparse_mla_decode(*tq, cache, sel_t, scale, past, S=past + T, splits=splits,
-                                                  decode=decode, **tiles)
+                 late_sum=bool(rng.integers(0, 2)), ahead=bool(rng.integers(0, 2)), clamp=bool(rng.integers(0, 2)))
+    limit, kernels_cuda.ROW32_LIMIT = kernels_cuda.ROW32_LIMIT, 2 ** 31 if rng.integers(0, 2) else 0  # 64-bit rows too
+    try:
+        if splits == 1:
+            got, lse = kernels_cuda.sparse_mla_prefill(*tq, cache, sel_t, scale, past, S=past + T, out_dtype=torch.float32,
+                                                       decode=decode, **tiles)
+        else:
+            got, lse = kernels_cuda.sparse_mla_decode(*tq, cache, sel_t, scale, past, S=past + T, splits=splits,
+                                                      decode=decode, **tiles)
+    finally:
+        kernels_cuda.ROW32_LIMIT = limit
     got, lse = got.cpu().numpy(), lse.cpu().numpy()
     tol = 1e-5 if cache_fmt == "fp32" else 2.0 ** -8          # 16-bit MMA operands: p is rounded
     for b in range(B):
