@@ -601,6 +601,9 @@ def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, S
     QLOOP re-reads the query tile every step (from L2) instead of holding it; LATE_SUM keeps the
     softmax sum per head and column and adds the columns up once after the loop (one reduction
     across warpgroups less per step: faster for the FP8 rows, slower for bf16 ones on the H200).
+    AHEAD loads each step's selected positions one step early; CLAMP gathers without load masks,
+    unselected entries reading the sequence's row 0 (their scores are -inf either way); rows are
+    indexed from the sequence's own base, in 32-bit offsets unless ROW64.
 
     Two things here are for Triton's Hopper code generation, not for the maths. Triton lays a dot
     whose result reaches another dot with all warps along its rows; with 64 heads and 8 warps both
