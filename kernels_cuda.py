@@ -822,7 +822,8 @@ def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=Non
     ahead (None: all but FP8 rows) = each step's positions loaded one step early, clamp (None: FP8
     rows) = unselected entries (-1) read the sequence's row 0 without load masks, their scores at
     -inf (row 0 is written before any query can attend, so it holds finite values). The defaults are
-    the fastest on an H200 (bench/RESULTS.md)."""
+    the fastest on an H200 for FP8 and bf16 rows (bench/RESULTS.md); float32 rows (exact numerics)
+    take bf16's, unmeasured."""
     packed = cache.dtype == torch.uint8
     ahead = not packed if ahead is None else ahead
     clamp = packed if clamp is None else clamp
