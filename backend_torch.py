@@ -208,6 +208,14 @@ def torch_ops(device, kernels=True, dsa=None):
             out[:, t0:t1] = dsa.topk_indices(I, K, start_pos + t0)
         return out
 
+    prep = getattr(dsa, "index_prep", None)                             # gfx90a has no FP8 stores in Triton
+    prep = prep if prep is not None and getattr(dsa, "fp8_stores", lambda: True)() else None
+
+    def index_prep(x, q, k, p, cache, start_pos, cos, sin):  # indexer_forward's per-token steps in one kernel
+        B, T, J = q.shape[:3]
+        xw = (x.float() @ dequant(p["weights_proj"]).T).reshape(B, T, J)   # as head_weights, which then scales it
+        return prep(q, k, xw, cos, sin, p["k_norm"], p["k_norm_bias"], cache.k, cache.k_scale, start_pos)
+
     def selection_mask(idx, start_pos, S):  # [B, T, K] indices (-1 padded) -> [B, T, S] bool, for --verify
         at = torch.where(idx >= 0, idx, S).long()
         return torch.zeros(*idx.shape[:2], S + 1, dtype=torch.bool, device=device).scatter_(-1, at, True)[..., :S]
@@ -449,6 +457,7 @@ def torch_ops(device, kernels=True, dsa=None):
         rms_norm=rms_norm, layer_norm=layer_norm, rope_interleaved=rope_interleaved, rope_half_split=rope_half_split,
         rotate_activation=rotate_activation, head_weights=head_weights, index_scores=index_scores,
         topk_select=topk_select, select=select, selection_mask=selection_mask, fused=fused, latent_cache=latent_cache,
+        index_prep=index_prep if prep is not None else None,
         store_latent=store_latent, latent_attention=latent_attention, latent_fp8_roundtrip=latent_fp8_roundtrip, causal_mask=causal_mask, store=store,
         mha=mha, mqa_absorbed=mqa_absorbed, mlp=mlp, moe=moe, gate=gate, experts=experts, expert_linear=expert_linear,
         route=route, grouped=grouped,

@@ -98,9 +98,14 @@ def indexer_forward(x, qr, p, cache, start_pos, S, cos, sin, args, opts):
     ops, off = opts.ops, opts.official
     rnd = ops.bf16_round if off else ops.no_round
     q = ops.linear(qr, p["wq_b"], off).reshape(B, T, J, D)                          # q^I_{t,j}
+    k = ops.linear(x, p["wk"], off)                                                 # k^I_s before its norm
+    if off and opts.indexer_fp8 and getattr(ops, "index_prep", None) is not None:
+        # a GPU: the steps below as one kernel (kernels_cuda.index_prep), the keys written to the cache
+        q, w = ops.index_prep(x, q, k, p, cache, start_pos, cos, sin)
+        return ops.select(q, w, cache.k[:B, :S], cache.k_scale[:B, :S], args.index_topk, start_pos, indices=True)
     # rope part FIRST here (MLA puts it last); half-split layout (official fix of 2025-11-17)
     q = ops.cat([rnd(ops.rope_half_split(q[..., :R], cos, sin)), q[..., R:]], -1)
-    k = rnd(ops.layer_norm(ops.linear(x, p["wk"], off), p["k_norm"], p["k_norm_bias"]))  # k^I_s [B, T, D]
+    k = rnd(ops.layer_norm(k, p["k_norm"], p["k_norm_bias"]))                        # k^I_s [B, T, D]
     k = ops.cat([rnd(ops.rope_half_split(k[:, :, None, :R], cos, sin))[:, :, 0], k[..., R:]], -1)
     if opts.indexer_fp8:                          # not in paper: rotation + FP8 (official numerics)
         q, k = rnd(ops.rotate_activation(q)), rnd(ops.rotate_activation(k))

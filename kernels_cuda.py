@@ -7,6 +7,9 @@
                 rows gathered by index, one expert per 16-row block   reference: quant.fp8_gemm per expert
 
 DSA kernels (DeepSeek Sparse Attention; the model calls them on a GPU through backend_torch):
+    index_prep          the indexer's per-token steps before eq. (1) in one kernel: RoPE, the key's
+                        LayerNorm, the Hadamard rotation (float64 butterflies), FP8 quantisation, the
+                        key cache write, the head weights    reference: indexer.indexer_forward's steps
     index_scores        eq. (1) for a prefill chunk or decode rows: keys on the MMA's M side, BQ queries
                         x all their heads on N (the head sum in registers), keys split over programs,
                         future key blocks skipped              reference: indexer.index_scores_ref
@@ -26,6 +29,8 @@ allow exactly those defects and check bit-exactness on a GPU.
 import functools
 import os
 
+import numpy as np
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +39,15 @@ import quant
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+
+
+@functools.lru_cache(None)
+def sm_count(device):  # streaming multiprocessors (132 on an H200; the interpreter: as an H200)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _interpreted():
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # -----------------------------------------------------------------------------
@@ -63,6 +77,16 @@ def _e4m3_decode(bits, FNUZ: tl.constexpr):
 # act_quant: one program per BLOCK_M rows x one 128-wide group
 
 @triton.jit
+def _ue8m0_quant(x, FP8_MAX: tl.constexpr):  # [R, 128] fp32 -> (x / s clamped to +-FP8_MAX, s [R] = 2^e)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)                # all-zero group -> 1e-4
+    v = amax * (1.0 / FP8_MAX)                                        # one fp32 multiply, as the official kernel
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)   # ceil(log2 v) from the bits
+    s = ((e + 127) << 23).to(tl.float32, bitcast=True)                # 2^e: the ue8m0 scale
+    return tl.minimum(tl.maximum(x / s[:, None], -FP8_MAX), FP8_MAX), s     # exact divide by a power of two
+
+
+@triton.jit
 def _act_quant_kernel(X, Q, S, M, N, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr):
     """Reference: quant.act_quant (scale_fmt "ue8m0")."""
     pid_m, g = tl.program_id(0), tl.program_id(1)
@@ -70,12 +94,7 @@ def _act_quant_kernel(X, Q, S, M, N, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
     cols = g * GROUP + tl.arange(0, GROUP)
     ok = rows[:, None] < M
     x = tl.load(X + rows[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)   # fp32 at once
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)                # all-zero group -> 1e-4
-    v = amax * (1.0 / FP8_MAX)                                        # one fp32 multiply, as the official kernel
-    bits = v.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)   # ceil(log2 v) from the bits
-    s = ((e + 127) << 23).to(tl.float32, bitcast=True)                # 2^e: the ue8m0 scale
-    y = tl.minimum(tl.maximum(x / s[:, None], -FP8_MAX), FP8_MAX)      # exact divide by a power of two
+    y, s = _ue8m0_quant(x, FP8_MAX)
     tl.store(Q + rows[:, None] * N + cols[None, :], y.to(Q.dtype.element_ty), mask=ok)
     tl.store(S + rows * (N // GROUP) + g, s, mask=rows < M)
 
@@ -98,6 +117,21 @@ def act_quant(x, fp8=FP8, fp8_max=FP8_MAX, block_m=None):
 # Block-scaled FP8 GEMM: C[M, N] = sum over K blocks of (A_kb B_kb^T) * sa[m, kb] * sb[n // 128, kb]
 
 @triton.jit
+def _block_partial(A, B, rm, rn, kb, M, N, K, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, FNUZ: tl.constexpr):
+    """A_kb B_kb^T of one 128-wide K block: [BLOCK_M, BLOCK_N] in a fresh fp32 accumulator."""
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    a_ok = (rm[:, None] < M) & (k[None, :] < K)
+    b_ok = (rn[None, :] < N) & (k[:, None] < K)
+    if DECODE:                           # no FP8 hardware: decode bytes to fp16 (exact for every e4m3 value)
+        a = _e4m3_decode(tl.load(A + rm[:, None] * K + k[None, :], mask=a_ok, other=0), FNUZ).to(tl.float16)
+        b = _e4m3_decode(tl.load(B + rn[None, :] * K + k[:, None], mask=b_ok, other=0), FNUZ).to(tl.float16)
+    else:
+        a = tl.load(A + rm[:, None] * K + k[None, :], mask=a_ok, other=0.0)
+        b = tl.load(B + rn[None, :] * K + k[:, None], mask=b_ok, other=0.0)          # [BLOCK_K, BLOCK_N]
+    return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
 def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      DECODE: tl.constexpr, FNUZ: tl.constexpr):
@@ -112,23 +146,55 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
     pid_n = (pid % (GROUP_M * n_n)) // size_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(NUM_KB):
-        k = kb * BLOCK_K + rk
-        a_ok = (rm[:, None] < M) & (k[None, :] < K)
-        b_ok = (rn[None, :] < N) & (k[:, None] < K)
-        if DECODE:                       # no FP8 hardware: decode bytes to fp16 (exact for every e4m3 value)
-            a = _e4m3_decode(tl.load(A + rm[:, None] * K + k[None, :], mask=a_ok, other=0), FNUZ).to(tl.float16)
-            b = _e4m3_decode(tl.load(B + rn[None, :] * K + k[:, None], mask=b_ok, other=0), FNUZ).to(tl.float16)
-        else:
-            a = tl.load(A + rm[:, None] * K + k[None, :], mask=a_ok, other=0.0)
-            b = tl.load(B + rn[None, :] * K + k[:, None], mask=b_ok, other=0.0)      # [BLOCK_K, BLOCK_N]
-        partial = tl.dot(a, b, out_dtype=tl.float32)                   # one K block, fresh fp32 accumulator
+        partial = _block_partial(A, B, rm, rn, kb, M, N, K, BLOCK_K, DECODE, FNUZ)
         sa = tl.load(SA + rm * NUM_KB + kb, mask=rm < M, other=0.0)
         sb = tl.load(SB + (rn // 128) * NUM_KB + kb, mask=rn < N, other=0.0)
         acc += partial * (sa[:, None] * sb[None, :])                   # "2xAcc" promotion in fp32
     tl.store(C + rm[:, None] * N + rn[None, :], acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+# Split K, for few output tiles (decode: M = 1..16, narrow weights): the blocks' partial products are
+# computed in parallel, then scaled and added in K order by the same fp32 operations as above, so the
+# output is bit for bit the unsplit kernel's.
+
+@triton.jit
+def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              DECODE: tl.constexpr, FNUZ: tl.constexpr):
+    """P [NUM_KB, M, N] float32 = A_kb B_kb^T, unscaled, for KB_PER consecutive K blocks per program."""
+    tile, ks = tl.program_id(0), tl.program_id(1)
+    n_n = tl.cdiv(N, BLOCK_N)
+    rm = (tile // n_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (tile % n_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rm[:, None] < M) & (rn[None, :] < N)
+    for kb in range(ks * KB_PER, tl.minimum(NUM_KB, ks * KB_PER + KB_PER)):
+        partial = _block_partial(A, B, rm, rn, kb, M, N, K, BLOCK_K, DECODE, FNUZ)
+        tl.store(P + (kb * M + rm[:, None]).to(tl.int64) * N + rn[None, :], partial, mask=ok)
+
+
+@triton.jit
+def _fp8_gemm_combine_kernel(P, SA, SB, C, M, N, NUM_KB, KB_TILE: tl.constexpr):
+    """C [M, N] = sum over kb in order of P[kb] * (sa[m, kb] sb[n // 128, kb]), the fp32 operations of
+    _fp8_gemm_kernel's loop. One warp per (row, 128 columns: one weight scale block); KB_TILE blocks'
+    partials are loaded at once, each thread holding all KB_TILE rows of its 4 columns, so picking row
+    j (x + -0 = x) and the in-order sum stay inside the thread. Rows past NUM_KB read as 0 and add
+    +0, which leaves the sum as it is (it starts at +0 and, rounding to nearest, never becomes -0)."""
+    m, nb = tl.program_id(0), tl.program_id(1)
+    rn = nb * 128 + tl.arange(0, 128)
+    ok = rn < N
+    acc = tl.zeros((128,), tl.float32)
+    for kb0 in range(0, NUM_KB, KB_TILE):
+        kb = kb0 + tl.arange(0, KB_TILE)
+        p = tl.load(P + (kb[:, None] * M + m).to(tl.int64) * N + rn[None, :], mask=(kb[:, None] < NUM_KB) & ok[None, :],
+                    other=0.0)
+        for j in tl.static_range(KB_TILE):
+            live = kb0 + j < NUM_KB
+            s = tl.load(SA + m * NUM_KB + kb0 + j, mask=live, other=0.0) * tl.load(SB + nb * NUM_KB + kb0 + j, mask=live,
+                                                                                   other=0.0)
+            acc += tl.sum(tl.where(kb[:, None] == kb0 + j, p, -0.0), 0) * s
+    tl.store(C + m.to(tl.int64) * N + rn, acc.to(C.dtype.element_ty), mask=ok)
 
 
 # Tile configurations by M (data): small M is weight-bandwidth bound, large M compute bound
@@ -138,6 +204,8 @@ GEMM_CONFIGS = [  # (max M, BLOCK_M, BLOCK_N, num_warps, num_stages)
     (256, 64, 128, 4, 3),
     (1 << 62, 128, 128, 8, 3),
 ]
+SPLIT_WAVES = 2                                        # split K until about this many waves of programs run,
+SPLIT_MIN_KB = 32                                      # when the K loop has this many blocks (H200 measurements)
 
 
 def gemm_config(M, configs=GEMM_CONFIGS):
@@ -146,8 +214,10 @@ def gemm_config(M, configs=GEMM_CONFIGS):
             return bm, bn, warps, stages
 
 
-def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decode=False, fnuz=False):
-    """a [M, K] fp8, sa [M, K/128] f32, b [N, K] fp8, sb [ceil(N/128), ceil(K/128)] f32 -> [M, N] out_dtype."""
+def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decode=False, fnuz=False, split_k=None):
+    """a [M, K] fp8, sa [M, K/128] f32, b [N, K] fp8, sb [ceil(N/128), ceil(K/128)] f32 -> [M, N] out_dtype.
+    split_k: how many programs share one output tile's K blocks (None: enough to fill the GPU when the
+    output has fewer tiles than it has multiprocessors and K is long; the result is the same either way)."""
     M, K = a.shape
     N = b.shape[0]
     assert b.shape[1] == K and K % 128 == 0, f"fp8_gemm: shapes {tuple(a.shape)} x {tuple(b.shape)}"
@@ -158,9 +228,21 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
     bm, bn, warps, stages = gemm_config(M, configs)
     if decode:
         a, b = a.view(torch.uint8), b.view(torch.uint8)
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _fp8_gemm_kernel[grid](a, b, c, sa, sb, M, N, K, K // 128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8,
-                           DECODE=decode, FNUZ=fnuz, num_warps=warps, num_stages=stages)
+    nkb, tiles = K // 128, triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    if split_k is None:
+        sms = sm_count(a.device)
+        split_k = 1 if tiles >= sms or nkb < SPLIT_MIN_KB else triton.cdiv(SPLIT_WAVES * sms, tiles)
+    kb_per = triton.cdiv(nkb, max(1, min(split_k, nkb)))
+    split_k = triton.cdiv(nkb, kb_per)
+    if split_k == 1:
+        _fp8_gemm_kernel[(tiles,)](a, b, c, sa, sb, M, N, K, nkb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8,
+                                   DECODE=decode, FNUZ=fnuz, num_warps=warps, num_stages=stages)
+        return c
+    p = torch.empty(nkb, M, N, dtype=torch.float32, device=a.device)
+    _fp8_gemm_partials_kernel[(tiles, split_k)](a, b, p, M, N, K, nkb, kb_per, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128,
+                                                DECODE=decode, FNUZ=fnuz, num_warps=warps, num_stages=stages)
+    _fp8_gemm_combine_kernel[(M, triton.cdiv(N, 128))](p, sa, sb, c, M, N, nkb, KB_TILE=min(32, triton.next_power_of_2(nkb)),
+                                                       num_warps=1)
     return c
 
 
@@ -234,13 +316,130 @@ def _pos_tensor(start_pos, device):  # an int, or a 0-d device tensor (captured 
     return torch.full((1,), int(start_pos), dtype=torch.int32, device=device)
 
 
+# -----------------------------------------------------------------------------
+# The indexer's per-token steps between its projections and eq. (1), fused (official numerics): RoPE,
+# the key's LayerNorm, the Hadamard rotation, FP8 quantisation, the key cache write and the head weights.
+# Each fp32 operation is the reference's, rounded alike (no FMA contraction: enable_fp_fusion=False).
+
+@triton.jit
+def _bf16_round(x):  # fp32 -> the nearest bf16 value (ties to even) as fp32, from the bits (finite x)
+    b = x.to(tl.int32, bitcast=True)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rope_half_split(x, cos, sin, ROWS: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+    """[ROWS, D] rows whose first R values (halves a, b) become (a cos - b sin, a sin + b cos), as
+    rope.rope_half_split; the other D - R values pass. cos, sin [ROWS, R/2]."""
+    a, b = tl.split(tl.permute(tl.reshape(x, (ROWS, D // R, 2, R // 2)), (0, 1, 3, 2)))   # [ROWS, D/R, R/2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rot = (tl.arange(0, D // R) == 0)[None, :, None]                  # the first R values only
+    a, b = tl.where(rot, a * c - b * s, a), tl.where(rot, a * s + b * c, b)
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 1, 3, 2)), (ROWS, D))
+
+
+@triton.jit
+def _hadamard(x, ROWS: tl.constexpr, D: tl.constexpr):  # [ROWS, D] float64 -> x H_D (Sylvester; symmetric)
+    for i in tl.static_range(D.bit_length() - 1):                      # butterflies on pairs 2^i apart
+        u, v = tl.split(tl.permute(tl.reshape(x, (ROWS, D >> (i + 1), 2, 1 << i)), (0, 1, 3, 2)))
+        x = tl.reshape(tl.permute(tl.join(u + v, u - v), (0, 1, 3, 2)), (ROWS, D))
+    return x
+
+
+@triton.jit
+def _rotate_quant(x, HS, ROWS: tl.constexpr, D: tl.constexpr, FP8_MAX: tl.constexpr):
+    """indexer.rotate_activation_ref, bf16 rounding, then act_quant: [ROWS, D] -> (x / s clamped, s [ROWS]).
+    The Hadamard sums run in float64 as the reference's (exact: +-1 times bf16 values); HS [1] float64
+    holds D^-0.5 (a float argument would arrive as fp32)."""
+    y = _bf16_round((_hadamard(x.to(tl.float64), ROWS, D) * tl.load(HS)).to(tl.float32))
+    return _ue8m0_quant(y, FP8_MAX)
+
+
+@triton.jit
+def _index_prep_queries(Q, XW, COS, SIN, HS, Q8, QS, WQ, bt, h0, T, J, c_j, c_d,
+                        D: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, FP8_MAX: tl.constexpr):
+    rd, rr, rh = tl.arange(0, D), tl.arange(0, R // 2), h0 + tl.arange(0, HB)
+    ok = rh < J
+    row = bt.to(tl.int64) * J + rh
+    x = tl.load(Q + row[:, None] * D + rd[None, :], mask=ok[:, None], other=0.0)
+    t = bt % T
+    cos = tl.broadcast_to(tl.load(COS + t * (R // 2) + rr)[None, :], (HB, R // 2))
+    sin = tl.broadcast_to(tl.load(SIN + t * (R // 2) + rr)[None, :], (HB, R // 2))
+    y, s = _rotate_quant(_bf16_round(_rope_half_split(x, cos, sin, HB, D, R)), HS, HB, D, FP8_MAX)
+    tl.store(Q8 + row[:, None] * D + rd[None, :], y.to(Q8.dtype.element_ty), mask=ok[:, None])
+    tl.store(QS + row, s, mask=ok)
+    tl.store(WQ + row, tl.load(XW + row, mask=ok, other=0.0) * c_j * s * c_d, mask=ok)   # head_weights_ref
+
+
+@triton.jit
+def _index_prep_keys(KR, COS, SIN, LNW, LNB, HS, K8, KS, POS, r0, BT, T, CAP, eps,
+                     D: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, FP8_MAX: tl.constexpr):
+    rd, rr, rows = tl.arange(0, D), tl.arange(0, R // 2), r0 + tl.arange(0, KB)
+    ok = rows < BT
+    x = tl.load(KR + rows[:, None].to(tl.int64) * D + rd[None, :], mask=ok[:, None], other=0.0)
+    mu = tl.sum(x, 1) * (1.0 / D)                                      # indexer.layer_norm_ref (D: a power of two)
+    xc = x - mu[:, None]
+    var = tl.sum(xc * xc, 1) * (1.0 / D)
+    x = _bf16_round(tl.div_rn(xc, tl.sqrt_rn(var + eps)[:, None]) * tl.load(LNW + rd)[None, :]
+                    + tl.load(LNB + rd)[None, :])
+    t = rows % T
+    cos = tl.load(COS + t[:, None] * (R // 2) + rr[None, :])
+    sin = tl.load(SIN + t[:, None] * (R // 2) + rr[None, :])
+    y, s = _rotate_quant(_bf16_round(_rope_half_split(x, cos, sin, KB, D, R)), HS, KB, D, FP8_MAX)
+    at = (rows // T).to(tl.int64) * CAP + tl.load(POS) + t             # cache slots
+    tl.store(K8 + at[:, None] * D + rd[None, :], y.to(K8.dtype.element_ty), mask=ok[:, None])
+    tl.store(KS + at, s, mask=ok)
+
+
+@triton.jit
+def _index_prep_kernel(Q, KR, XW, COS, SIN, LNW, LNB, HS, Q8, QS, WQ, K8, KS, POS, BT, T, J, CAP, eps, c_j, c_d,
+                       D: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Reference: indexer.indexer_forward from q = wq_b(qr) and k = wk(x) to the scores' inputs.
+    Q [BT, J, D] (bf16 values), KR [BT, D] (bf16 values), XW [BT, J] = x weights_proj^T (fp32), COS, SIN
+    [T, R/2] -> Q8 [BT, J, D] fp8 and QS [BT, J]; WQ [BT, J] the head weights (eq. 1's w with J^-0.5,
+    the q scale and D^-0.5 folded in, as head_weights_ref); the keys' codes and scales into the cache
+    K8 [B, CAP, D], KS [B, CAP] at positions POS + t. Programs: one per (token, HB heads): RoPE,
+    rotation, FP8, weights; then one per KB tokens' keys: LayerNorm, RoPE, rotation, FP8, cache."""
+    pid = tl.program_id(0)
+    hbs = tl.cdiv(J, HB)
+    if pid < BT * hbs:
+        _index_prep_queries(Q, XW, COS, SIN, HS, Q8, QS, WQ, pid // hbs, (pid % hbs) * HB, T, J, c_j, c_d, D, R, HB, FP8_MAX)
+    else:
+        _index_prep_keys(KR, COS, SIN, LNW, LNB, HS, K8, KS, POS, (pid - BT * hbs) * KB, BT, T, CAP, eps, D, R, KB, FP8_MAX)
+
+
+def index_prep(q, k, xw, cos, sin, ln_w, ln_b, k_cache, k_scale_cache, start_pos, eps=1e-6, fp8_max=FP8_MAX):
+    """q [B, T, J, D], k [B, T, D] (the projections' bf16-valued outputs), xw [B, T, J] (x weights_proj^T,
+    fp32), cos, sin [T, R/2], the key LayerNorm's ln_w, ln_b [D] -> (q codes [B, T, J, D] in k_cache's
+    FP8 type, head weights w [B, T, J]); the keys' codes and scales go to k_cache [>=B, CAP, D],
+    k_scale_cache [>=B, CAP] at start_pos + t (an int, or a 0-d device tensor: captured decode)."""
+    B, T, J, D = q.shape
+    R = 2 * cos.shape[-1]
+    if k.shape != (B, T, D) or xw.shape != (B, T, J) or cos.shape != (T, R // 2) or sin.shape != cos.shape \
+            or k_cache.shape[0] < B or k_cache.shape[2] != D or k_scale_cache.shape[:2] != k_cache.shape[:2]:
+        raise ValueError(f"index_prep: q {tuple(q.shape)}, k {tuple(k.shape)}, xw {tuple(xw.shape)}, cos {tuple(cos.shape)}, "
+                         f"cache {tuple(k_cache.shape)} / {tuple(k_scale_cache.shape)} do not fit")
+    if D != 128 or R & (R - 1) or not 4 <= R <= D:
+        raise ValueError(f"index_prep: head dim {D} must be 128 (one FP8 scale group), rope dim {R} a power of two <= it")
+    assert k_cache.is_contiguous() and k_scale_cache.is_contiguous() and k_scale_cache.dtype == torch.float32
+    dev = q.device
+    q8 = torch.empty(B, T, J, D, dtype=k_cache.dtype, device=dev)
+    qs = torch.empty(B, T, J, dtype=torch.float32, device=dev)
+    w = torch.empty(B, T, J, dtype=torch.float32, device=dev)
+    hb, kb = min(16, triton.next_power_of_2(J)), 16
+    grid = (B * T * triton.cdiv(J, hb) + triton.cdiv(B * T, kb),)
+    _index_prep_kernel[grid](q.float().contiguous(), k.float().contiguous(), xw.float().contiguous(),
+                             cos.float().contiguous(), sin.float().contiguous(), ln_w.float().contiguous(),
+                             ln_b.float().contiguous(), _hadamard_scale(D, dev), q8, qs, w, k_cache, k_scale_cache,
+                             _pos_tensor(start_pos, dev), B * T, T, J, k_cache.shape[1], eps,
+                             float(np.float32(J ** -0.5)), float(np.float32(D ** -0.5)), D=D, R=R, HB=hb, KB=kb,
+                             FP8_MAX=fp8_max, num_warps=4, enable_fp_fusion=False)
+    return q8, w
+
+
 @functools.lru_cache(None)
-def sm_count(device):  # streaming multiprocessors (132 on an H200; the interpreter: as an H200)
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
-def _interpreted():
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def _hadamard_scale(D, device):  # D^-0.5 as a float64 [1] on the device (as indexer.rotate_activation_ref)
+    return torch.tensor([D ** -0.5], dtype=torch.float64, device=device)
 
 
 # -----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The fast path's kernels for AMD GPUs (ROCm): act_quant, fp8_gemm, moe_gemm and the DSA kernels
-(index_scores, topk_indices, sparse_mla_decode, sparse_mla_prefill) under the same names as in
+(index_prep, index_scores, topk_indices, sparse_mla_decode, sparse_mla_prefill) under the same names as in
 kernels_cuda.py, from the same Triton sources, with what differs by architecture kept as data below.
 
     gfx942 (MI300/MI325)  e4m3fnuz, maximum 240: checkpoint e4m3fn bytes are reinterpreted as e4m3fnuz
@@ -86,6 +86,17 @@ def latent_quant(x, arch=None):  # the packed latent rows hold e4m3fn codes (the
         import backend_torch
         return backend_torch.act_quant_torch(x)
     return _k.act_quant(x)
+
+
+def fp8_stores(arch=None):  # can Triton store FP8 here (gfx90a: no; the model then runs index_prep's steps unfused)
+    return not ARCHS[arch or current_arch()]["decode"]
+
+
+def index_prep(q, k, xw, cos, sin, ln_w, ln_b, k_cache, k_scale_cache, start_pos, arch=None):
+    a = ARCHS[arch or current_arch()]
+    if a["decode"]:
+        raise NotImplementedError("index_prep: gfx90a has no FP8 stores in Triton (fp8_stores() is False)")
+    return _k.index_prep(q, k, xw, cos, sin, ln_w, ln_b, k_cache, k_scale_cache, start_pos, fp8_max=a["fp8_max"])
 
 
 def index_scores(q, w, k, k_scale, start_pos, arch=None, **tiles):

@@ -72,6 +72,28 @@ def test_fp8_gemm_kernel(M, N, K, seed):
         assert np.abs(bf - quant.bf16_round(got)).max() <= 2.0 ** -7 * np.abs(ref).max()
 
 
+@settings(max_examples=8)
+@given(st.integers(1, 20), st.integers(1, 200), st.sampled_from([2, 3, 5, 9, 33]), st.integers(2, 9), st.booleans(),
+       st.integers(0, 2 ** 31))
+def test_fp8_gemm_split_k(M, N, kblocks, split_k, decode, seed):
+    """K split over programs (decode's few output tiles): the same fp32 operations in the same order as
+    the unsplit kernel, so the same bits, on a GPU as in the interpreter; and the oracle's values."""
+    rng = np.random.default_rng(seed)
+    K = 128 * kblocks
+    a, sa = quant.act_quant((rng.standard_normal((M, K)) * 4).astype(np.float32))
+    b, sb = quant.weight_quant(rng.standard_normal((N, K)).astype(np.float32))
+    args = (t8(a), torch.from_numpy(sa).to(DEV), t8(b), torch.from_numpy(sb).to(DEV))
+    one = kernels_cuda.fp8_gemm(*args, out_dtype=torch.float32, decode=decode, split_k=1).cpu().numpy()
+    got = kernels_cuda.fp8_gemm(*args, out_dtype=torch.float32, decode=decode, split_k=split_k).cpu().numpy()
+    np.testing.assert_array_equal(got.view(np.uint32), one.view(np.uint32))
+    ref = quant.fp8_gemm(a, sa, b, sb)
+    tol = (2.0 ** -13 if not INTERPRETED else 2.0 ** -21) * kblocks * np.abs(ref).max()
+    assert np.abs(got - ref).max() <= tol
+    auto = kernels_cuda.fp8_gemm(*args, decode=decode)                      # the default split (33 blocks), bf16 out
+    np.testing.assert_array_equal(auto.view(torch.int16).cpu().numpy(),
+                                  kernels_cuda.fp8_gemm(*args, decode=decode, split_k=1).view(torch.int16).cpu().numpy())
+
+
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx90a"])
 @settings(max_examples=4)
 @given(st.integers(1, 24), st.integers(1, 130), st.sampled_from([128, 256]), st.integers(0, 2 ** 31))
@@ -346,3 +368,49 @@ def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, seed):
             sel = got[b, t, :n]
             assert np.all(np.diff(sel) > 0), "in index order, each once"
             assert set(sel.tolist()) == set(np.nonzero(want[b, t])[0].tolist()), (b, t)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(1, 2), st.integers(1, 5), st.sampled_from([1, 4, 16, 20]), st.sampled_from([(128, 64), (128, 32)]),
+       st.integers(0, 6), st.integers(-8, 8), st.integers(0, 2 ** 31))
+def test_index_prep_kernel(B, T, J, dims, start_pos, e, seed):
+    """The indexer's fused per-token steps against its NumPy steps (indexer.indexer_forward's unfused
+    branch): query codes, scales and head weights; the keys' codes and scales in the cache at
+    start_pos + t and nowhere else. The key's LayerNorm sums in another order than NumPy's, so its
+    codes may differ by an e4m3 step where a bf16 rounding lands on the other side."""
+    import indexer
+    import rope
+    D, R = dims
+    rng = np.random.default_rng(seed)
+    bf = quant.bf16_round
+    q = bf(rng.standard_normal((B, T, J, D)) * 2.0 ** e)
+    k = bf(rng.standard_normal((B, T, D)) * 2.0 ** e + rng.standard_normal())
+    xw = rng.standard_normal((B, T, J)).astype(np.float32)
+    lnw, lnb = rng.standard_normal(D).astype(np.float32), rng.standard_normal(D).astype(np.float32)
+    cos, sin = rope.rope_angles((1.0 / 10000 ** (np.arange(0, R, 2) / R)).astype(np.float32), np.arange(start_pos, start_pos + T))
+    cap = start_pos + T + 3
+    k8, ks = torch.zeros(B + 1, cap, D, dtype=torch.float8_e4m3fn, device=DEV), torch.zeros(B + 1, cap, device=DEV)
+    P = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
+    q8, w = kernels_cuda.index_prep(P(q), P(k), P(xw), P(cos), P(sin), P(lnw), P(lnb), k8, ks,
+                                    torch.tensor(start_pos, device=DEV) if seed % 2 else start_pos)
+    qr = np.concatenate([bf(rope.rope_half_split(q[..., :R], cos, sin)), q[..., R:]], -1)
+    q8r, qsr = quant.act_quant(bf(indexer.rotate_activation_ref(qr)))
+    kr = bf(indexer.layer_norm_ref(k, lnw, lnb))
+    kr = np.concatenate([bf(rope.rope_half_split(kr[:, :, None, :R], cos, sin))[:, :, 0], kr[..., R:]], -1)
+    k8r, ksr = quant.act_quant(bf(indexer.rotate_activation_ref(kr)))
+    assert_codes(q8, q8r, "index_prep q")
+    w_ref = (xw * np.float32(J ** -0.5)) * qsr[..., 0] * np.float32(D ** -0.5)  # head_weights_ref, xw = x Wp^T
+    np.testing.assert_array_equal(w.cpu().numpy(), w_ref)
+    got_s = ks[:B, start_pos:start_pos + T].cpu().numpy()
+    same = got_s == ksr[..., 0]                                              # a scale may double or halve
+    assert same.mean() >= 0.9 and np.all(same | (got_s == 2 * ksr[..., 0]) | (2 * got_s == ksr[..., 0]))
+    g = k8[:B, start_pos:start_pos + T].float().cpu().numpy()[same].astype(np.float64)
+    r = k8r.astype(np.float64)[same]
+    big = np.maximum(np.maximum(np.abs(g), np.abs(r)), 2.0 ** -6)
+    near = np.abs(g - r) <= np.exp2(np.floor(np.log2(big)) - 3)              # one e4m3 step
+    if INTERPRETED:                                                         # and the interpreter's cast defect
+        near |= (np.abs(r) == np.exp2(np.round(np.log2(np.maximum(np.abs(r), 2.0 ** -9))))) & (g == r / 2)
+    assert near.all() and (g != r).mean() <= 0.1, "index_prep k codes"
+    written = torch.zeros(B + 1, cap, dtype=torch.bool)
+    written[:B, start_pos:start_pos + T] = True
+    assert not ks.cpu()[~written].any() and not k8.cpu().view(torch.uint8)[~written].any()
