@@ -107,7 +107,11 @@ def torch_ops(device, kernels=True, dsa=None):
     kern = kernels_for(device) if kernels else None
     dsa = dsa or (kern if hasattr(kern, "sparse_mla_decode") else None)
 
-    def bf16_round(x):
+    def bf16_round(x):  # bf16 values as float32 (a bf16 tensor: one copy, nothing to round)
+        if x.dtype == torch.bfloat16:
+            return x.float()
+        if kern is not None and x.dtype == torch.float32:                # one launch instead of two
+            return kern.bf16_round(x)
         return x.float().to(torch.bfloat16).float()
 
     def no_round(x):
@@ -143,12 +147,16 @@ def torch_ops(device, kernels=True, dsa=None):
         return (x - mu) / torch.sqrt(var + eps) * w + b
 
     def rope_interleaved(x, cos, sin):
+        if kern is not None and x.stride(-1) == 1:                       # one launch instead of seven
+            return kern.rope(x, cos, sin, interleaved=True)
         x = x.float()
         a, b = x[..., 0::2], x[..., 1::2]
         c, s = cos[None, :, None, :], sin[None, :, None, :]
         return torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2)
 
     def rope_half_split(x, cos, sin):
+        if kern is not None and x.stride(-1) == 1:
+            return kern.rope(x, cos, sin, interleaved=False)
         x = x.float()
         h = x.shape[-1] // 2
         a, b = x[..., :h], x[..., h:]
@@ -249,12 +257,11 @@ def torch_ops(device, kernels=True, dsa=None):
         B, T = q_nope.shape[:2]
         if sel is None and T > 1:
             return dense_prefill(q_nope, q_pe, latent, p, start_pos, S, args, rnd, dt)
-        qa = rnd(torch.einsum("bthn,hnc->bthc", q_nope.to(dt), W_UK).float())          # [B, T, H, C]
+        qa = torch.einsum("bthn,hnc->bthc", q_nope.to(dt), W_UK)         # [B, T, H, C] in dt (bf16: rnd's rounding)
         many = B * T * -(-H // 64) >= dsa.sm_count(device)               # one wave of programs without splits
         fn = dsa.sparse_mla_prefill if many else dsa.sparse_mla_decode
-        o, _ = fn(qa.to(dt), q_pe.to(dt), latent, sel, args.softmax_scale, start_pos, S=S, out_dtype=dt)
-        o = rnd(o.float())                                               # weighted latent
-        return rnd(torch.einsum("bthc,hvc->bthv", o.to(dt), W_UV).float())
+        o, _ = fn(qa, q_pe.to(dt), latent, sel, args.softmax_scale, start_pos, S=S, out_dtype=dt)   # weighted latent
+        return rnd(torch.einsum("bthc,hvc->bthv", o, W_UV))
 
     def dense_prefill(q_nope, q_pe, latent, p, start_pos, S, args, rnd, dt):
         """Dense attention of a prefill chunk, MHA form: expand the cached latent with W^UKV, then
@@ -275,7 +282,7 @@ def torch_ops(device, kernels=True, dsa=None):
             o[:, :, t0:t1] = torch.nn.functional.scaled_dot_product_attention(
                 q[:, :, t0:t1], k[:, :, :end], v[:, :, :end], attn_mask=causal_lower_right(t1 - t0, end),
                 scale=args.softmax_scale)
-        return rnd(o[..., :V].transpose(1, 2).float())
+        return rnd(o[..., :V].transpose(1, 2))
 
     def act_dequant(q, s):
         return (q.float().reshape(*q.shape[:-1], -1, 128) * s[..., None]).reshape(q.shape)

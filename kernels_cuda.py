@@ -6,6 +6,9 @@
     moe_gemm    the same GEMM for the routed experts: all experts' weights stacked [E, N, K], token
                 rows gathered by index, one expert per 16-row block   reference: quant.fp8_gemm per expert
 
+    rope        RoPE in either layout, and bf16_round: elementwise glue, one launch each
+                                                                    reference: rope.rope_*, quant.bf16_round
+
 DSA kernels (DeepSeek Sparse Attention; the model calls them on a GPU through backend_torch):
     index_prep          the indexer's per-token steps before eq. (1) in one kernel: RoPE, the key's
                         LayerNorm, the Hadamard rotation (float64 butterflies), FP8 quantisation, the
@@ -440,6 +443,58 @@ def index_prep(q, k, xw, cos, sin, ln_w, ln_b, k_cache, k_scale_cache, start_pos
 @functools.lru_cache(None)
 def _hadamard_scale(D, device):  # D^-0.5 as a float64 [1] on the device (as indexer.rotate_activation_ref)
     return torch.tensor([D ** -0.5], dtype=torch.float64, device=device)
+
+
+# -----------------------------------------------------------------------------
+# Elementwise glue of official numerics, one launch each where PyTorch takes several: RoPE in either
+# layout, and rounding float32 to bf16 values. The fp32 operations are PyTorch's, rounded alike.
+
+@triton.jit
+def _rope_kernel(X, COS, SIN, Y, ROWS, H, T, sb, st, sh, R: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Reference: rope.rope_interleaved / rope.rope_half_split. X [B, T, H, R] with strides (sb, st, sh, 1),
+    COS, SIN [T, R/2] -> Y [B, T, H, R] contiguous float32. BLOCK rows of R/2 pairs per program."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows[:, None] < ROWS
+    b, t, h = rows // (T * H), (rows // H) % T, rows % H
+    x = X + (b.to(tl.int64) * sb + t.to(tl.int64) * st + h.to(tl.int64) * sh)[:, None]
+    i = tl.arange(0, R // 2)[None, :]
+    ia, ib = (2 * i, 2 * i + 1) if INTERLEAVED else (i, i + R // 2)    # the pair (a, b) of each angle
+    a = tl.load(x + ia, mask=ok, other=0.0).to(tl.float32)
+    b_ = tl.load(x + ib, mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(COS + t[:, None] * (R // 2) + i, mask=ok, other=0.0)
+    s = tl.load(SIN + t[:, None] * (R // 2) + i, mask=ok, other=0.0)
+    y = Y + rows.to(tl.int64)[:, None] * R
+    tl.store(y + ia, a * c - b_ * s, mask=ok)
+    tl.store(y + ib, a * s + b_ * c, mask=ok)
+
+
+def rope(x, cos, sin, interleaved):
+    """x [B, T, H, R] (any strides, last one 1; float32 or bf16), cos, sin [T, R/2] -> [B, T, H, R] float32,
+    the rotation of rope.rope_interleaved (interleaved) or rope.rope_half_split."""
+    B, T, H, R = x.shape
+    if cos.shape != (T, R // 2) or sin.shape != cos.shape or R & (R - 1) or x.stride(-1) != 1:
+        raise ValueError(f"rope: x {tuple(x.shape)} (strides {x.stride()}), cos {tuple(cos.shape)} do not fit")
+    y = torch.empty(B, T, H, R, dtype=torch.float32, device=x.device)
+    rows = B * T * H
+    block = max(1, min(64, 4096 // R))
+    _rope_kernel[(triton.cdiv(rows, block),)](x, cos.float().contiguous(), sin.float().contiguous(), y, rows, H, T,
+                                              *x.stride()[:3], R=R, INTERLEAVED=interleaved, BLOCK=block,
+                                              num_warps=4, enable_fp_fusion=False)
+    return y
+
+
+@triton.jit
+def _bf16_round_kernel(X, Y, N, BLOCK: tl.constexpr):
+    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + at, _bf16_round(tl.load(X + at, mask=at < N, other=0.0)), mask=at < N)
+
+
+def bf16_round(x):  # float32 tensor -> the nearest bf16 values, as float32 (quant.bf16_round), one launch
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    _bf16_round_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096, num_warps=4)
+    return y
 
 
 # -----------------------------------------------------------------------------

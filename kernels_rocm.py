@@ -63,6 +63,9 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, arch=None):
                        fnuz=cfg["fnuz"])
 
 
+rope, bf16_round = _k.rope, _k.bf16_round     # fp32 elementwise: nothing differs by architecture
+
+
 def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, arch=None):
     cfg = ARCHS[arch or current_arch()]
     return _k.moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=out_dtype, decode=cfg["decode"], fnuz=cfg["fnuz"])

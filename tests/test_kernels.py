@@ -414,3 +414,23 @@ def test_index_prep_kernel(B, T, J, dims, start_pos, e, seed):
     written = torch.zeros(B + 1, cap, dtype=torch.bool)
     written[:B, start_pos:start_pos + T] = True
     assert not ks.cpu()[~written].any() and not k8.cpu().view(torch.uint8)[~written].any()
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 5), st.integers(1, 9), st.sampled_from([16, 64]), st.booleans(), st.booleans(),
+       st.integers(0, 2 ** 31))
+def test_rope_and_bf16_round_kernels(B, T, H, R, interleaved, bf16_input, seed):
+    """RoPE in both layouts on a strided view (the query's rope columns), and bf16 rounding: the same
+    fp32 operations as the references, so the same bits (no FMA contraction; ties to even)."""
+    import rope
+    rng = np.random.default_rng(seed)
+    full = rng.standard_normal((B, T, H, R + 8)).astype(np.float32) * 2.0 ** rng.integers(-20, 20, (B, T, H, 1))
+    full = quant.bf16_round(full) if bf16_input else full
+    cos, sin = rope.rope_angles((1.0 / 10000 ** (np.arange(0, R, 2) / R)).astype(np.float32), np.arange(7, 7 + T))
+    x = torch.from_numpy(full).to(DEV)[..., 8:]                              # not contiguous
+    x = x.to(torch.bfloat16) if bf16_input else x
+    got = kernels_cuda.rope(x, torch.from_numpy(cos).to(DEV), torch.from_numpy(sin).to(DEV), interleaved)
+    ref = (rope.rope_interleaved if interleaved else rope.rope_half_split)(full[..., 8:], cos, sin)
+    np.testing.assert_array_equal(got.cpu().numpy().view(np.uint32), ref.view(np.uint32))
+    y = kernels_cuda.bf16_round(got)
+    np.testing.assert_array_equal(y.cpu().numpy().view(np.uint32), quant.bf16_round(ref).view(np.uint32))
