@@ -178,24 +178,25 @@ def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER,
 
 
 @triton.jit
-def _fp8_gemm_combine_kernel(P, SA, SB, C, M, N, NUM_KB, KB_TILE: tl.constexpr):
+def _fp8_gemm_combine_kernel(P, SA, SB, C, M, N, NUM_KB, BLOCK_N: tl.constexpr, KB_TILE: tl.constexpr):
     """C [M, N] = sum over kb in order of P[kb] * (sa[m, kb] sb[n // 128, kb]), the fp32 operations of
-    _fp8_gemm_kernel's loop. One warp per (row, 128 columns: one weight scale block); KB_TILE blocks'
-    partials are loaded at once, each thread holding all KB_TILE rows of its 4 columns, so picking row
-    j (x + -0 = x) and the in-order sum stay inside the thread. Rows past NUM_KB read as 0 and add
-    +0, which leaves the sum as it is (it starts at +0 and, rounding to nearest, never becomes -0)."""
+    _fp8_gemm_kernel's loop. One warp per (row, BLOCK_N columns within one weight scale block); KB_TILE
+    blocks' partials are loaded at once, each thread holding all KB_TILE rows of its columns, so
+    picking row j (x + -0 = x) and the in-order sum stay inside the thread. Rows past NUM_KB read as
+    0 and add +0, which leaves the sum as it is (it starts at +0 and, rounding to nearest, never
+    becomes -0)."""
     m, nb = tl.program_id(0), tl.program_id(1)
-    rn = nb * 128 + tl.arange(0, 128)
+    rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rn < N
-    acc = tl.zeros((128,), tl.float32)
+    sb = SB + (nb * BLOCK_N // 128) * NUM_KB                           # this block's weight scales
+    acc = tl.zeros((BLOCK_N,), tl.float32)
     for kb0 in range(0, NUM_KB, KB_TILE):
         kb = kb0 + tl.arange(0, KB_TILE)
         p = tl.load(P + (kb[:, None] * M + m).to(tl.int64) * N + rn[None, :], mask=(kb[:, None] < NUM_KB) & ok[None, :],
                     other=0.0)
         for j in tl.static_range(KB_TILE):
             live = kb0 + j < NUM_KB
-            s = tl.load(SA + m * NUM_KB + kb0 + j, mask=live, other=0.0) * tl.load(SB + nb * NUM_KB + kb0 + j, mask=live,
-                                                                                   other=0.0)
+            s = tl.load(SA + m * NUM_KB + kb0 + j, mask=live, other=0.0) * tl.load(sb + kb0 + j, mask=live, other=0.0)
             acc += tl.sum(tl.where(kb[:, None] == kb0 + j, p, -0.0), 0) * s
     tl.store(C + m.to(tl.int64) * N + rn, acc.to(C.dtype.element_ty), mask=ok)
 
@@ -209,6 +210,7 @@ GEMM_CONFIGS = [  # (max M, BLOCK_M, BLOCK_N, num_warps, num_stages)
 ]
 SPLIT_WAVES = 2                                        # split K until about this many waves of programs run,
 SPLIT_MIN_KB = 32                                      # when the K loop has this many blocks (H200 measurements)
+COMBINE_TILE = (64, 32)                                # the combine's columns per warp (<= 128) and K blocks per load
 
 
 def gemm_config(M, configs=GEMM_CONFIGS):
@@ -244,8 +246,9 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
     p = torch.empty(nkb, M, N, dtype=torch.float32, device=a.device)
     _fp8_gemm_partials_kernel[(tiles, split_k)](a, b, p, M, N, K, nkb, kb_per, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128,
                                                 DECODE=decode, FNUZ=fnuz, num_warps=warps, num_stages=stages)
-    _fp8_gemm_combine_kernel[(M, triton.cdiv(N, 128))](p, sa, sb, c, M, N, nkb, KB_TILE=min(32, triton.next_power_of_2(nkb)),
-                                                       num_warps=1)
+    bn, kbt = COMBINE_TILE
+    _fp8_gemm_combine_kernel[(M, triton.cdiv(N, bn))](p, sa, sb, c, M, N, nkb, BLOCK_N=bn,
+                                                      KB_TILE=min(kbt, triton.next_power_of_2(nkb)), num_warps=1)
     return c
 
 
