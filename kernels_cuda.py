@@ -209,7 +209,8 @@ GEMM_CONFIGS = [  # (max M, BLOCK_M, BLOCK_N, num_warps, num_stages)
     (1 << 62, 128, 128, 8, 3),
 ]
 SPLIT_WAVES = 2                                        # split K until about this many waves of programs run,
-SPLIT_MIN_KB = 32                                      # when the K loop has this many blocks (H200 measurements)
+SPLIT_MIN_KB = 32                                      # when the K loop has this many blocks and the partials
+SPLIT_MAX_BYTES = 16 << 20                             # stay well inside L2 (H200 measurements, bench/RESULTS.md)
 COMBINE_TILE = (64, 32)                                # the combine's columns per warp (<= 128) and K blocks per load
 
 
@@ -222,7 +223,8 @@ def gemm_config(M, configs=GEMM_CONFIGS):
 def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decode=False, fnuz=False, split_k=None):
     """a [M, K] fp8, sa [M, K/128] f32, b [N, K] fp8, sb [ceil(N/128), ceil(K/128)] f32 -> [M, N] out_dtype.
     split_k: how many programs share one output tile's K blocks (None: enough to fill the GPU when the
-    output has fewer tiles than it has multiprocessors and K is long; the result is the same either way)."""
+    output has fewer tiles than it has multiprocessors, K is long and the fp32 partials, nkb x M x N,
+    are small: decode; the result is the same either way)."""
     M, K = a.shape
     N = b.shape[0]
     assert b.shape[1] == K and K % 128 == 0, f"fp8_gemm: shapes {tuple(a.shape)} x {tuple(b.shape)}"
@@ -236,7 +238,8 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
     nkb, tiles = K // 128, triton.cdiv(M, bm) * triton.cdiv(N, bn)
     if split_k is None:
         sms = sm_count(a.device)
-        split_k = 1 if tiles >= sms or nkb < SPLIT_MIN_KB else triton.cdiv(SPLIT_WAVES * sms, tiles)
+        few = tiles < sms and nkb >= SPLIT_MIN_KB and nkb * M * N * 4 <= SPLIT_MAX_BYTES
+        split_k = triton.cdiv(SPLIT_WAVES * sms, tiles) if few else 1
     kb_per = triton.cdiv(nkb, max(1, min(split_k, nkb)))
     split_k = triton.cdiv(nkb, kb_per)
     if split_k == 1:

@@ -102,6 +102,8 @@ def measure(m, args, chunk, gen, graphs):
             m.forward(tok[:, p:p + max(chunk // B, 1)], start_pos=p)
         steps = 16
         nxt = tok[:, -1:]
+        for s in range(steps):                                # untimed: compiles every kernel variant these
+            m.forward(nxt, start_pos=ctx + s)                 # positions use (tiles, integer specialisation)
 
         def decode():
             nonlocal nxt
