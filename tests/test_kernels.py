@@ -168,6 +168,23 @@ def test_rocm_dsa_kernels(arch):
             p = np.exp(z - z.max(1, keepdims=True))
             want = (p / p.sum(1, keepdims=True)) @ kv_vals[0, sel]
             assert np.abs(o[0, t] - want).max() <= 2.0 ** -8 * np.abs(kv_vals).max(), (fn.__name__, t)
+    # the indexer's per-token steps in the arch's FP8 flavour and maximum (gfx90a: no FP8 stores, unfused)
+    assert kernels_rocm.fp8_stores(arch) == (arch != "gfx90a")
+    xq = quant.bf16_round(rng.standard_normal((B, T, J, D)) * 4)
+    cos, sin = (np.cos(np.arange(T * 32).reshape(T, 32)).astype(np.float32), np.sin(np.arange(T * 32).reshape(T, 32)).astype(np.float32))
+    args = [torch.from_numpy(a).to(DEV) for a in (xq, quant.bf16_round(rng.standard_normal((B, T, D))), np.ones((B, T, J), np.float32),
+                                                  cos, sin, np.ones(D, np.float32), np.zeros(D, np.float32))]
+    kc, kcs = torch.zeros(B, S, D, dtype=dt, device=DEV), torch.zeros(B, S, device=DEV)
+    if arch == "gfx90a":
+        with pytest.raises(NotImplementedError):
+            kernels_rocm.index_prep(*args, kc, kcs, past, arch=arch)
+        return
+    q8, _ = kernels_rocm.index_prep(*args, kc, kcs, past, arch=arch)
+    assert q8.dtype == dt
+    import rope
+    qr = np.concatenate([quant.bf16_round(rope.rope_half_split(xq[..., :64], cos, sin)), xq[..., 64:]], -1)
+    q8r, _ = quant.act_quant(quant.bf16_round(indexer.rotate_activation_ref(qr)), fp8=flavour)   # max 240 or 448
+    assert_codes(q8, q8r, f"index_prep {arch}")
 
 
 def test_e4m3_decode_matches_every_code():
