@@ -158,7 +158,7 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
     tl.store(C + rm[:, None] * N + rn[None, :], acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-# Split K, for few output tiles (decode: M = 1..16, narrow weights): the blocks' partial products are
+# Split K, for few output tiles (decode: small M, narrow weights): the blocks' partial products are
 # computed in parallel, then scaled and added in K order by the same fp32 operations as above, so the
 # output is bit for bit the unsplit kernel's.
 
@@ -462,17 +462,17 @@ def _rope_kernel(X, COS, SIN, Y, ROWS, H, T, sb, st, sh, R: tl.constexpr, INTERL
     COS, SIN [T, R/2] -> Y [B, T, H, R] contiguous float32. BLOCK rows of R/2 pairs per program."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows[:, None] < ROWS
-    b, t, h = rows // (T * H), (rows // H) % T, rows % H
-    x = X + (b.to(tl.int64) * sb + t.to(tl.int64) * st + h.to(tl.int64) * sh)[:, None]
+    bi, t, h = rows // (T * H), (rows // H) % T, rows % H
+    x = X + (bi.to(tl.int64) * sb + t.to(tl.int64) * st + h.to(tl.int64) * sh)[:, None]
     i = tl.arange(0, R // 2)[None, :]
     ia, ib = (2 * i, 2 * i + 1) if INTERLEAVED else (i, i + R // 2)    # the pair (a, b) of each angle
     a = tl.load(x + ia, mask=ok, other=0.0).to(tl.float32)
-    b_ = tl.load(x + ib, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(x + ib, mask=ok, other=0.0).to(tl.float32)
     c = tl.load(COS + t[:, None] * (R // 2) + i, mask=ok, other=0.0)
     s = tl.load(SIN + t[:, None] * (R // 2) + i, mask=ok, other=0.0)
     y = Y + rows.to(tl.int64)[:, None] * R
-    tl.store(y + ia, a * c - b_ * s, mask=ok)
-    tl.store(y + ib, a * s + b_ * c, mask=ok)
+    tl.store(y + ia, a * c - b * s, mask=ok)
+    tl.store(y + ib, a * s + b * c, mask=ok)
 
 
 def rope(x, cos, sin, interleaved):
