@@ -619,12 +619,14 @@ def _bucket(hist, need):  # 256-bin histogram, rank -> (the bin holding the need
 
 @triton.jit
 def _topk_list_kernel(SCORES, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
-                      STAGES: tl.constexpr):
+                      STAGES: tl.constexpr, DIGITS: tl.constexpr):
     """Top-k, step 1, for rows of at least 4 * SAMPLE causal keys (others write count -1). One program
     per (query row, segment of the row): a threshold from a strided sample of SAMPLE scores (its
     r-th largest key by radix select in registers, r safely above the k-th largest's expected rank;
     every program of a row finds the same one, and compares scores with it as a float, which costs
-    fewer integer operations per key), then the segment's keys at or above it, listed in index order
+    fewer integer operations per key; DIGITS < 4 stops the radix select early and takes the lowest key
+    of the r-th largest's bucket: a lower threshold, longer lists, fewer passes), then the segment's
+    keys at or above it, listed in index order
     in CAND[row, segment] (at most CAPS) with their scores in CSCORE (so that step 2 reads them
     contiguously), and their count in CNT[row, segment]."""
     row, seg, segs = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
@@ -641,7 +643,7 @@ def _topk_list_kernel(SCORES, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.c
         r = tl.minimum((want + 4.0 * tl.sqrt(want) + 8.0).to(tl.int32), SAMPLE)
         tau = tl.zeros((), tl.int64)                                   # the r-th largest sampled key
         tau_mask = tl.zeros((), tl.int64)
-        for p in range(4):
+        for p in range(DIGITS):
             hist = tl.histogram(((u >> (24 - 8 * p)) & 0xFF).to(tl.int32), 256, mask=(u & tau_mask) == tau)
             b, r = _bucket(hist, r)
             tau |= b.to(tl.int64) << (24 - 8 * p)
@@ -743,13 +745,14 @@ def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.c
 
 
 def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, cap=None, segments=None, programs=264,
-                 stages=3):
+                 stages=3, digits=4):
     """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
     causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K.
     Rows of at least 4 * sample keys first list the keys above a sampled threshold, in `segments`
     pieces per row (enough programs to fill the GPU for a few rows), each list at most cap keys.
     Tiles (H200 sweeps): 2048 keys a step with 8 warps for a few decode rows, 512 with 4 for many;
-    step 1 streams its row through `stages` pipelined loads."""
+    step 1 streams its row through `stages` pipelined loads and finds its threshold with `digits` 8-bit
+    radix passes over the sample (fewer: a coarser, lower threshold; the result is the same)."""
     if scores.dim() != 3 or K < 1:
         raise ValueError(f"topk_indices: scores {tuple(scores.shape)} is not [B, T, S] or K = {K} < 1")
     B, T, S = scores.shape
@@ -765,7 +768,7 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, 
     cnt = torch.empty(rows, segs, dtype=torch.int32, device=scores.device)
     lists, listed = cand[0], cand[1].view(torch.float32)
     _topk_list_kernel[(rows, segs)](scores, lists, listed, cnt, pos, T, S, K, caps, BLOCK=block, SAMPLE=sample, STAGES=stages,
-                                    num_warps=num_warps)
+                                    DIGITS=digits, num_warps=num_warps)
     _topk_kernel[(rows,)](scores, out, lists, listed, cnt, pos, T, S, K, caps, BLOCK=block, SEGS=segs, num_warps=num_warps)
     return out
 
