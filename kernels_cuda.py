@@ -331,9 +331,9 @@ def _pos_tensor(start_pos, device):  # an int, or a 0-d device tensor (captured 
 # Each fp32 operation is the reference's, rounded alike (no FMA contraction: enable_fp_fusion=False).
 
 @triton.jit
-def _bf16_round(x):  # fp32 -> the nearest bf16 value (ties to even) as fp32, from the bits (finite x)
+def _bf16_round(x):  # fp32 -> the nearest bf16 value (ties to even) as fp32, from the bits; NaN stays NaN
     b = x.to(tl.int32, bitcast=True)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
 
 
 @triton.jit

@@ -452,3 +452,9 @@ def test_rope_and_bf16_round_kernels(B, T, H, R, interleaved, bf16_input, seed):
     np.testing.assert_array_equal(got.cpu().numpy().view(np.uint32), ref.view(np.uint32))
     y = kernels_cuda.bf16_round(got)
     np.testing.assert_array_equal(y.cpu().numpy().view(np.uint32), quant.bf16_round(ref).view(np.uint32))
+    edge = np.array([np.inf, -np.inf, np.nan, np.float32(3.4e38), -np.float32(3.4e38), 1e-40, -0.0,
+                     np.uint32(0x7FFFFFFF).view(np.float32), np.uint32(0x3F808000).view(np.float32)], np.float32)
+    got_e = kernels_cuda.bf16_round(torch.from_numpy(edge).to(DEV)).cpu().numpy()   # overflow, NaN payloads, ties
+    want_e = quant.bf16_round(edge)
+    assert np.array_equal(np.isnan(got_e), np.isnan(want_e))
+    np.testing.assert_array_equal(got_e[~np.isnan(want_e)].view(np.uint32), want_e[~np.isnan(want_e)].view(np.uint32))
