@@ -236,6 +236,8 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
     if decode:
         a, b = a.view(torch.uint8), b.view(torch.uint8)
     nkb, tiles = K // 128, triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    if split_k is not None and split_k < 1:
+        raise ValueError(f"fp8_gemm: split_k = {split_k} < 1")
     if split_k is None:
         sms = sm_count(a.device)
         few = tiles < sms and nkb >= SPLIT_MIN_KB and nkb * M * N * 4 <= SPLIT_MAX_BYTES
@@ -755,6 +757,8 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, 
     radix passes over the sample (fewer: a coarser, lower threshold; the result is the same)."""
     if scores.dim() != 3 or K < 1:
         raise ValueError(f"topk_indices: scores {tuple(scores.shape)} is not [B, T, S] or K = {K} < 1")
+    if digits not in (1, 2, 3, 4):
+        raise ValueError(f"topk_indices: digits = {digits}; the threshold takes 1-4 radix digits of 8 bits")
     B, T, S = scores.shape
     rows = B * T
     segs = segments or max(1, min(8, programs // rows))

@@ -86,6 +86,8 @@ def test_fp8_gemm_split_k(M, N, kblocks, split_k, decode, seed):
     one = kernels_cuda.fp8_gemm(*args, out_dtype=torch.float32, decode=decode, split_k=1).cpu().numpy()
     got = kernels_cuda.fp8_gemm(*args, out_dtype=torch.float32, decode=decode, split_k=split_k).cpu().numpy()
     np.testing.assert_array_equal(got.view(np.uint32), one.view(np.uint32))
+    with pytest.raises(ValueError, match="split_k = 0"):
+        kernels_cuda.fp8_gemm(*args, split_k=0)
     ref = quant.fp8_gemm(a, sa, b, sb)
     tol = (2.0 ** -13 if not INTERPRETED else 2.0 ** -21) * kblocks * np.abs(ref).max()
     assert np.abs(got - ref).max() <= tol
@@ -367,6 +369,8 @@ def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits,
     sample, cap = sample_cap
     with pytest.raises(ValueError, match="K = 0 < 1"):
         kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 0, 0)
+    with pytest.raises(ValueError, match="digits = 5"):
+        kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 1, 0, digits=5)
     import indexer
     rng = np.random.default_rng(seed)
     S = past + T
