@@ -7,7 +7,8 @@ per weight plus the 128x128 block scales).
 
 On a CUDA or ROCm GPU the hot ops go to Triton kernels (kernels_cuda.py / kernels_rocm.py):
 act_quant, the block-scaled FP8 GEMM and the grouped expert GEMM (experts stacked per layer, routed
-on the device), and DSA (fused = True): the selection as [B, T, K] indices (select), one packed
+on the device), RoPE and bf16 rounding, and DSA (fused = True): the indexer's per-token steps in one
+kernel (index_prep), the selection as [B, T, K] indices (select), one packed
 row per token of latent cache (latent_cache, store_latent, unpack_latent), the absorbed attention
 over the selected rows for every chunk length (latent_attention; dense prefill through PyTorch's
 scaled_dot_product_attention, dense_prefill). On the CPU, and for ops without a kernel, plain torch
@@ -221,7 +222,9 @@ def torch_ops(device, kernels=True, dsa=None):
 
     def index_prep(x, q, k, p, cache, start_pos, cos, sin):  # indexer_forward's per-token steps in one kernel
         B, T, J = q.shape[:3]
-        xw = (x.float() @ dequant(p["weights_proj"]).T).reshape(B, T, J)   # as head_weights, which then scales it
+        if "weights_proj_f32" not in p:                                  # fp32 once, not every step
+            p["weights_proj_f32"] = dequant(p["weights_proj"])
+        xw = (x.float() @ p["weights_proj_f32"].T).reshape(B, T, J)     # as head_weights, which then scales it
         return prep(q, k, xw, cos, sin, p["k_norm"], p["k_norm_bias"], cache.k, cache.k_scale, start_pos)
 
     def selection_mask(idx, start_pos, S):  # [B, T, K] indices (-1 padded) -> [B, T, S] bool, for --verify

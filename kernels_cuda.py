@@ -2,7 +2,8 @@
 
     act_quant   1x128 groups, ue8m0 scales, e4m3 codes            reference: quant.act_quant
     fp8_gemm    y = (a * sa) (b * sb)^T, 1x128 activation groups, 128x128 weight blocks, fp32
-                promotion of each 128-wide K block's partial sum   reference: quant.fp8_gemm
+                promotion of each 128-wide K block's partial sum; K split over programs for
+                decode's few output tiles, the same bits          reference: quant.fp8_gemm
     moe_gemm    the same GEMM for the routed experts: all experts' weights stacked [E, N, K], token
                 rows gathered by index, one expert per 16-row block   reference: quant.fp8_gemm per expert
 
@@ -339,14 +340,21 @@ def _bf16_round(x):  # fp32 -> the nearest bf16 value (ties to even) as fp32, fr
 
 
 @triton.jit
-def _rope_half_split(x, cos, sin, ROWS: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
-    """[ROWS, D] rows whose first R values (halves a, b) become (a cos - b sin, a sin + b cos), as
-    rope.rope_half_split; the other D - R values pass. cos, sin [ROWS, R/2]."""
-    a, b = tl.split(tl.permute(tl.reshape(x, (ROWS, D // R, 2, R // 2)), (0, 1, 3, 2)))   # [ROWS, D/R, R/2]
+def _rope(x, cos, sin, ROWS: tl.constexpr, D: tl.constexpr, R: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """[ROWS, D] rows whose first R values are rotated pairwise, (a, b) -> (a cos - b sin, a sin + b cos):
+    pairs (2i, 2i + 1) as rope.rope_interleaved, or (i, i + R/2) as rope.rope_half_split; the other
+    D - R values pass. cos, sin [ROWS, R/2]."""
+    if INTERLEAVED:                                                    # [ROWS, D/R, R/2, 2]
+        y = tl.reshape(x, (ROWS, D // R, R // 2, 2))
+    else:                                                              # [ROWS, D/R, 2, R/2] -> pairs last
+        y = tl.permute(tl.reshape(x, (ROWS, D // R, 2, R // 2)), (0, 1, 3, 2))
+    a, b = tl.split(y)                                                 # [ROWS, D/R, R/2] each
     c, s = cos[:, None, :], sin[:, None, :]
     rot = (tl.arange(0, D // R) == 0)[None, :, None]                  # the first R values only
-    a, b = tl.where(rot, a * c - b * s, a), tl.where(rot, a * s + b * c, b)
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 1, 3, 2)), (ROWS, D))
+    y = tl.join(tl.where(rot, a * c - b * s, a), tl.where(rot, a * s + b * c, b))
+    if not INTERLEAVED:
+        y = tl.permute(y, (0, 1, 3, 2))
+    return tl.reshape(y, (ROWS, D))
 
 
 @triton.jit
@@ -376,7 +384,7 @@ def _index_prep_queries(Q, XW, COS, SIN, HS, Q8, QS, WQ, bt, h0, T, J, c_j, c_d,
     t = bt % T
     cos = tl.broadcast_to(tl.load(COS + t * (R // 2) + rr)[None, :], (HB, R // 2))
     sin = tl.broadcast_to(tl.load(SIN + t * (R // 2) + rr)[None, :], (HB, R // 2))
-    y, s = _rotate_quant(_bf16_round(_rope_half_split(x, cos, sin, HB, D, R)), HS, HB, D, FP8_MAX)
+    y, s = _rotate_quant(_bf16_round(_rope(x, cos, sin, HB, D, R, False)), HS, HB, D, FP8_MAX)
     tl.store(Q8 + row[:, None] * D + rd[None, :], y.to(Q8.dtype.element_ty), mask=ok[:, None])
     tl.store(QS + row, s, mask=ok)
     tl.store(WQ + row, tl.load(XW + row, mask=ok, other=0.0) * c_j * s * c_d, mask=ok)   # head_weights_ref
@@ -396,7 +404,7 @@ def _index_prep_keys(KR, COS, SIN, LNW, LNB, HS, K8, KS, POS, r0, BT, T, CAP, ep
     t = rows % T
     cos = tl.load(COS + t[:, None] * (R // 2) + rr[None, :])
     sin = tl.load(SIN + t[:, None] * (R // 2) + rr[None, :])
-    y, s = _rotate_quant(_bf16_round(_rope_half_split(x, cos, sin, KB, D, R)), HS, KB, D, FP8_MAX)
+    y, s = _rotate_quant(_bf16_round(_rope(x, cos, sin, KB, D, R, False)), HS, KB, D, FP8_MAX)
     at = (rows // T).to(tl.int64) * CAP + tl.load(POS) + t             # cache slots
     tl.store(K8 + at[:, None] * D + rd[None, :], y.to(K8.dtype.element_ty), mask=ok[:, None])
     tl.store(KS + at, s, mask=ok)
@@ -461,20 +469,16 @@ def _hadamard_scale(D, device):  # D^-0.5 as a float64 [1] on the device (as ind
 def _rope_kernel(X, COS, SIN, Y, ROWS, H, T, sb, st, sh, R: tl.constexpr, INTERLEAVED: tl.constexpr,
                  BLOCK: tl.constexpr):
     """Reference: rope.rope_interleaved / rope.rope_half_split. X [B, T, H, R] with strides (sb, st, sh, 1),
-    COS, SIN [T, R/2] -> Y [B, T, H, R] contiguous float32. BLOCK rows of R/2 pairs per program."""
+    COS, SIN [T, R/2] -> Y [B, T, H, R] contiguous float32. BLOCK rows per program."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows[:, None] < ROWS
     bi, t, h = rows // (T * H), (rows // H) % T, rows % H
-    x = X + (bi.to(tl.int64) * sb + t.to(tl.int64) * st + h.to(tl.int64) * sh)[:, None]
-    i = tl.arange(0, R // 2)[None, :]
-    ia, ib = (2 * i, 2 * i + 1) if INTERLEAVED else (i, i + R // 2)    # the pair (a, b) of each angle
-    a = tl.load(x + ia, mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(x + ib, mask=ok, other=0.0).to(tl.float32)
+    rr, i = tl.arange(0, R)[None, :], tl.arange(0, R // 2)[None, :]
+    x = tl.load(X + (bi.to(tl.int64) * sb + t.to(tl.int64) * st + h.to(tl.int64) * sh)[:, None] + rr, mask=ok,
+                other=0.0).to(tl.float32)
     c = tl.load(COS + t[:, None] * (R // 2) + i, mask=ok, other=0.0)
     s = tl.load(SIN + t[:, None] * (R // 2) + i, mask=ok, other=0.0)
-    y = Y + rows.to(tl.int64)[:, None] * R
-    tl.store(y + ia, a * c - b * s, mask=ok)
-    tl.store(y + ib, a * s + b * c, mask=ok)
+    tl.store(Y + rows.to(tl.int64)[:, None] * R + rr, _rope(x, c, s, BLOCK, R, R, INTERLEAVED), mask=ok)
 
 
 def rope(x, cos, sin, interleaved):
@@ -499,6 +503,8 @@ def _bf16_round_kernel(X, Y, N, BLOCK: tl.constexpr):
 
 
 def bf16_round(x):  # float32 tensor -> the nearest bf16 values, as float32 (quant.bf16_round), one launch
+    if x.dtype != torch.float32:
+        raise ValueError(f"bf16_round: float32 input expected, got {x.dtype}")
     x = x.contiguous()
     y = torch.empty_like(x)
     _bf16_round_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096, num_warps=4)

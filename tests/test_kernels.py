@@ -413,6 +413,9 @@ def test_index_prep_kernel(B, T, J, dims, start_pos, e, seed):
     cap = start_pos + T + 3
     k8, ks = torch.zeros(B + 1, cap, D, dtype=torch.float8_e4m3fn, device=DEV), torch.zeros(B + 1, cap, device=DEV)
     P = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
+    with pytest.raises(ValueError, match="do not fit"):                     # keys of another width
+        kernels_cuda.index_prep(P(q), P(k[..., :-1]), P(xw), P(cos), P(sin), P(lnw), P(lnb), k8, ks, start_pos)
+    assert not ks.any()                                                     # nothing written
     q8, w = kernels_cuda.index_prep(P(q), P(k), P(xw), P(cos), P(sin), P(lnw), P(lnb), k8, ks,
                                     torch.tensor(start_pos, device=DEV) if seed % 2 else start_pos)
     qr = np.concatenate([bf(rope.rope_half_split(q[..., :R], cos, sin)), q[..., R:]], -1)
@@ -456,6 +459,10 @@ def test_rope_and_bf16_round_kernels(B, T, H, R, interleaved, bf16_input, seed):
     np.testing.assert_array_equal(got.cpu().numpy().view(np.uint32), ref.view(np.uint32))
     y = kernels_cuda.bf16_round(got)
     np.testing.assert_array_equal(y.cpu().numpy().view(np.uint32), quant.bf16_round(ref).view(np.uint32))
+    with pytest.raises(ValueError, match="float32 input"):
+        kernels_cuda.bf16_round(got.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels_cuda.rope(x, torch.from_numpy(cos[:, :-1]).to(DEV), torch.from_numpy(sin[:, :-1]).to(DEV), interleaved)
     edge = np.array([np.inf, -np.inf, np.nan, np.float32(3.4e38), -np.float32(3.4e38), 1e-40, -0.0,
                      np.uint32(0x7FFFFFFF).view(np.float32), np.uint32(0x3F808000).view(np.float32)], np.float32)
     got_e = kernels_cuda.bf16_round(torch.from_numpy(edge).to(DEV)).cpu().numpy()   # overflow, NaN payloads, ties
