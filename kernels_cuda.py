@@ -714,28 +714,66 @@ def _row_keys(CNT, row, n, kk, CAPS, SEGS: tl.constexpr, LISTS: tl.constexpr):
 
 
 @triton.jit
-def _radix_select(SCORES, CSCORE, CNT, row, S, m, need, listed, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr):
+def _stream_hist(SCORES, CSCORE, CNT, row, S, m, prefix, hi_mask, shift, listed, CAPS, BLOCK: tl.constexpr,
+                 SEGS: tl.constexpr):  # 256-bin histogram of digit `shift` over a row's m keys that match prefix
+    hist = tl.zeros((256,), tl.int32)
+    for s0 in range(0, m, BLOCK):
+        rb = s0 + tl.arange(0, BLOCK)
+        _, u = _keys_at(SCORES, CSCORE, CNT, row, S, rb, rb < m, listed, CAPS, SEGS)
+        ok = (rb < m) & ((u & hi_mask) == prefix)
+        hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=ok)
+    return hist
+
+
+@triton.jit
+def _compact(SCORES, CSCORE, CNT, SMALL, row, S, m, prefix, hi_mask, listed, CAPS, BLOCK: tl.constexpr,
+             SEGS: tl.constexpr, NS: tl.constexpr):  # the keys that match prefix (at most NS) -> [NS] keys, in registers
+    base = tl.zeros((), tl.int32)
+    for s0 in range(0, m, BLOCK):
+        rb = s0 + tl.arange(0, BLOCK)
+        _, u = _keys_at(SCORES, CSCORE, CNT, row, S, rb, rb < m, listed, CAPS, SEGS)
+        keep = (rb < m) & ((u & hi_mask) == prefix)
+        at = base + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.store(SMALL + row.to(tl.int64) * NS + at, u.to(tl.uint32).to(tl.int32, bitcast=True), mask=keep)
+        base += tl.sum(keep.to(tl.int32), axis=0)
+    tl.debug_barrier()                                                 # the stores above, visible to every thread
+    rs = tl.arange(0, NS)
+    return tl.load(SMALL + row.to(tl.int64) * NS + rs, mask=rs < base, other=0).to(tl.int64) & 0xFFFFFFFF
+
+
+@triton.jit
+def _radix_select(SCORES, CSCORE, CNT, SMALL, row, S, m, need, listed, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr,
+                  NS: tl.constexpr):
     """The need-th largest of a row's m keys by radix select, one 8-bit digit at a time (four 256-bin
-    histograms over the keys whose higher digits match so far) -> (its key, its rank among equal keys)."""
+    histograms over the keys whose higher digits match so far) -> (its key, its rank among equal keys).
+    Once the chosen bin holds at most NS keys they are copied out (SMALL[row], NS words) and the later
+    digits are counted over those NS registers instead of the whole row: a histogram costs Triton
+    about 100 instructions per key, and after one or two digits the bin usually holds a few dozen."""
     prefix = tl.zeros((), tl.int64)
     hi_mask = tl.zeros((), tl.int64)
+    few = tl.zeros((NS,), tl.int64)                                    # the copied-out keys
+    n_few = tl.full((), -1, tl.int32)                                  # how many (-1: not copied out yet)
+    bins = tl.arange(0, 256)
     for p in range(4):                                                 # most significant digit first
         shift = 24 - 8 * p
-        hist = tl.zeros((256,), tl.int32)
-        for s0 in range(0, m, BLOCK):
-            rb = s0 + tl.arange(0, BLOCK)
-            _, u = _keys_at(SCORES, CSCORE, CNT, row, S, rb, rb < m, listed, CAPS, SEGS)
-            ok = (rb < m) & ((u & hi_mask) == prefix)
-            hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=ok)
+        if n_few < 0:
+            hist = _stream_hist(SCORES, CSCORE, CNT, row, S, m, prefix, hi_mask, shift, listed, CAPS, BLOCK, SEGS)
+        else:
+            ok = (tl.arange(0, NS) < n_few) & ((few & hi_mask) == prefix)
+            hist = tl.histogram(((few >> shift) & 0xFF).to(tl.int32), 256, mask=ok)
         b, need = _bucket(hist, need)
         prefix |= b.to(tl.int64) << shift
         hi_mask |= 0xFF << shift
+        in_bin = tl.sum(tl.where(bins == b, hist, 0), axis=0)
+        if (n_few < 0) & (in_bin <= NS) & (p < 3):
+            few = _compact(SCORES, CSCORE, CNT, SMALL, row, S, m, prefix, hi_mask, listed, CAPS, BLOCK, SEGS, NS)
+            n_few = in_bin
     return prefix, need
 
 
 @triton.jit
-def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr,
-                 LISTS: tl.constexpr):
+def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, SMALL, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr,
+                 LISTS: tl.constexpr, NS: tl.constexpr):
     """Reference: indexer.topk_select_ref (as indices). Top-k, step 2, one program per query row, over
     its step-1 lists or its whole row (_row_keys; LISTS = False: step 1 did not run): the K-th largest
     key by _radix_select, then every key above it and the lowest-indexed keys equal to it (ties toward
@@ -746,7 +784,7 @@ def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.c
     kk = tl.minimum(K, n)
     dst = OUT + row.to(tl.int64) * K
     m, listed = _row_keys(CNT, row, n, kk, CAPS, SEGS, LISTS)
-    prefix, need = _radix_select(SCORES, CSCORE, CNT, row, S, m, kk.to(tl.int32), listed, CAPS, BLOCK, SEGS)
+    prefix, need = _radix_select(SCORES, CSCORE, CNT, SMALL, row, S, m, kk.to(tl.int32), listed, CAPS, BLOCK, SEGS, NS)
     # prefix is now the K-th largest key: take all keys above it and the first `need` equal to it
     base = tl.zeros((), tl.int32)
     taken_eq = tl.zeros((), tl.int32)
@@ -760,7 +798,7 @@ def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.c
         eq_rank = taken_eq + tl.cumsum(eq.to(tl.int32), axis=0)        # 1-based rank among equal keys, in index order
         sel = (ok & (u > prefix)) | (eq & (eq_rank <= need))
         pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(dst + pos, at.to(tl.int32), mask=sel)
+        tl.store(dst + pos, at.to(tl.int32), mask=sel & (pos < K))         # (never past the row, even if wrong)
         base += tl.sum(sel.to(tl.int32), axis=0)
         taken_eq += tl.sum(eq.to(tl.int32), axis=0)
     for s0 in range(0, K, BLOCK):                                      # pad the rest with -1
@@ -769,12 +807,13 @@ def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.c
 
 
 def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, cap=None, segments=None, programs=264,
-                 stages=3, digits=2):
+                 stages=3, digits=2, few=256):
     """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
     causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K.
     Rows of at least 4 * sample keys first list the keys above a sampled threshold, in `segments`
     pieces per row (enough programs to fill the GPU for a few rows), each list at most cap keys.
-    Then the K-th largest key of each row's lists (or whole row) by radix select, one program per row.
+    Then the K-th largest key of each row's lists (or whole row) by radix select, one program per row,
+    the later digits over the keys left in the chosen bin once it holds at most `few` (a power of two).
     Tiles (H200 sweeps): 2048 keys a step with 8 warps for a few decode rows, 512 with 4 for many;
     step 1 streams its row through `stages` pipelined loads and finds its threshold with `digits` 8-bit
     radix passes over the sample (fewer: a coarser, lower threshold, slightly longer lists, the same
@@ -783,6 +822,8 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, 
         raise ValueError(f"topk_indices: scores {tuple(scores.shape)} is not [B, T, S] or K = {K} < 1")
     if digits not in (1, 2, 3, 4):
         raise ValueError(f"topk_indices: digits = {digits}; the threshold takes 1-4 radix digits of 8 bits")
+    if few < 1 or few & (few - 1):
+        raise ValueError(f"topk_indices: few = {few} is not a power of two")
     B, T, S = scores.shape
     rows = B * T
     segs = segments or max(1, min(8, programs // rows))
@@ -799,8 +840,9 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, 
     if lists_:
         _topk_list_kernel[(rows, segs)](scores, lists, listed, cnt, pos, T, S, K, caps, BLOCK=block, SAMPLE=sample,
                                         STAGES=stages, DIGITS=digits, num_warps=num_warps)
-    _topk_kernel[(rows,)](scores, out, lists, listed, cnt, pos, T, S, K, caps, BLOCK=block, SEGS=segs, LISTS=lists_,
-                          num_warps=num_warps)
+    small = torch.empty(rows, few, dtype=torch.int32, device=scores.device)   # step 2's copied-out keys
+    _topk_kernel[(rows,)](scores, out, lists, listed, cnt, small, pos, T, S, K, caps, BLOCK=block, SEGS=segs, LISTS=lists_,
+                          NS=few, num_warps=num_warps)
     return out
 
 

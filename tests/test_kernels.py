@@ -359,18 +359,21 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
 @settings(max_examples=16)
 @given(st.integers(1, 2), st.integers(1, 4), st.integers(0, 150), st.integers(1, 40), st.sampled_from(["normal", "ties", "equal"]),
        st.sampled_from([16, 64]), st.sampled_from([(2048, None), (16, None), (16, 1)]), st.sampled_from([None, 1, 3]),
-       st.sampled_from([1, 2, 4]), st.integers(0, 2 ** 31))
-def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits, seed):
+       st.sampled_from([1, 2, 4]), st.sampled_from([1, 4, 256]), st.integers(0, 2 ** 31))
+def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits, few, seed):
     """Exact top-k as sets against topk_select_ref: contexts shorter than k, exactly k (past + t + 1 =
     K happens), one token; many ties (rounded scores, +0 and -0), a row of one repeated value, -inf.
     A small sample puts rows of >= 64 keys on the sampled-threshold lists (in 1 or 3 segments per row,
     or as many as fill the GPU), their threshold found with 1, 2 or 4 radix digits; a list capacity of 1
-    forces the fall-back to the whole row there."""
+    forces the fall-back to the whole row there. The radix select's later digits run over the keys
+    left in the chosen bin once it holds at most `few` (1, 4: sometimes, 256: after the first digit)."""
     sample, cap = sample_cap
     with pytest.raises(ValueError, match="K = 0 < 1"):
         kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 0, 0)
     with pytest.raises(ValueError, match="digits = 5"):
         kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 1, 0, digits=5)
+    with pytest.raises(ValueError, match="few = 3 is not a power of two"):
+        kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 1, 0, few=3)
     import indexer
     rng = np.random.default_rng(seed)
     S = past + T
@@ -381,7 +384,7 @@ def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits,
         I[:] = np.float32(rng.standard_normal())                   # every causal key tied
     I[0, 0, 0] = -np.inf                                            # a masked key among the causal ones
     got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), K, past, block=block, sample=sample, cap=cap,
-                                     segments=segments, digits=digits).cpu().numpy()
+                                     segments=segments, digits=digits, few=few).cpu().numpy()
     want = indexer.topk_select_ref(I, K, past)                      # [B, T, S] bool, ties toward the lower index
     for b in range(B):
         for t in range(T):
