@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gemm  # noqa: E402  (torch is imported only in main(): --render needs none)
 
 IDX_CONFIGS = [dict(bq=bq, block_n=n, num_warps=w, num_stages=st) for bq, n, w, st in
                [(2, 64, 4, 3), (2, 64, 4, 4), (2, 128, 8, 3), (2, 32, 4, 4), (4, 64, 8, 3), (4, 32, 8, 4), (4, 64, 8, 4),
@@ -50,7 +51,8 @@ MLA_B1_CONFIGS = [dict(c, splits=sp) for sp in (8, 16, 32) for c in
 def render(meta, rows):
     roof = meta["roofline"]
     out = [f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; measured roofline: FP8 "
-           f"{roof['fp8_tflops']:.0f} TFLOP/s, bf16 {roof['bf16_tflops']:.0f} TFLOP/s, copy {roof['copy_gbs']:.0f} GB/s", "",
+           f"{roof['fp8_tflops']:.0f} TFLOP/s, bf16 {roof['bf16_tflops']:.0f} TFLOP/s, copy {roof['copy_gbs']:.0f} GB/s"
+           f"{bench_gemm.floor_note(roof)}", "",
            "| kernel | shape | us | TFLOP/s | TB/s | of roofline | PyTorch baseline us | speed-up | config |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -80,7 +82,6 @@ def main():
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton
-    import bench_gemm
     import kernels_cuda
     bench_gemm._imports()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
