@@ -822,8 +822,11 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, 
         raise ValueError(f"topk_indices: scores {tuple(scores.shape)} is not [B, T, S] or K = {K} < 1")
     if digits not in (1, 2, 3, 4):
         raise ValueError(f"topk_indices: digits = {digits}; the threshold takes 1-4 radix digits of 8 bits")
-    if few < 1 or few & (few - 1):
-        raise ValueError(f"topk_indices: few = {few} is not a power of two")
+    for name, v in (("few", few), ("sample", sample), ("block", block or 16)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"topk_indices: {name} = {v} is not a power of two")
+    if (segments is not None and segments < 1) or (cap is not None and cap < 1):
+        raise ValueError(f"topk_indices: segments = {segments} and cap = {cap} must be at least 1")
     B, T, S = scores.shape
     rows = B * T
     segs = segments or max(1, min(8, programs // rows))

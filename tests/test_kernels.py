@@ -372,8 +372,10 @@ def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits,
         kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 0, 0)
     with pytest.raises(ValueError, match="digits = 5"):
         kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 1, 0, digits=5)
-    with pytest.raises(ValueError, match="few = 3 is not a power of two"):
-        kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 1, 0, few=3)
+    for bad, match in ((dict(few=3), "few = 3 is not a power of two"), (dict(sample=1000), "sample = 1000 is not"),
+                       (dict(block=96), "block = 96 is not"), (dict(segments=0), "segments = 0"), (dict(cap=0), "cap = 0")):
+        with pytest.raises(ValueError, match=match):
+            kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 1, 0, **bad)
     import indexer
     rng = np.random.default_rng(seed)
     S = past + T
