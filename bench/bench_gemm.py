@@ -37,8 +37,9 @@ FLUSH = None
 def timed(fn, reps=20, graph=True):
     """Median milliseconds over reps CUDA-event-timed replays of fn captured in a CUDA graph (GPU time,
     as a captured decode step runs it, without the Python launch cost), L2 flushed (256 MB write)
-    before each. graph=False: fn itself, for the rooflines (large enough for the launch not to count;
-    a captured 2 GiB device copy measured 2.8 TB/s against 4.2 eagerly)."""
+    before each. graph=False: fn as given: the rooflines (large enough for the launch not to count;
+    a captured 2 GiB device copy measured 2.8 TB/s against 4.2 eagerly), a graph replay the caller
+    captured itself, or long eager calls (bench_dsa.py's prefill rows)."""
     global FLUSH
     if FLUSH is None:
         FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
