@@ -84,13 +84,19 @@ def mla_forward(x, p, cache, start_pos, S, cos, sin, args, opts):
     ops, off = opts.ops, opts.official
     rnd = ops.bf16_round if off else ops.no_round
 
+    # the down-projections of h = x: W^DQ h (-> c^Q), W^DKV h and W^KR h as one [B, T, C + R] (kv), and
+    # the indexer's W^IK h; then from c^Q the queries W^UQ c^Q and the indexer's W^IQ c^Q. ops.linears
+    # takes each group of one input as one GEMM on a GPU (the same bits as one GEMM per weight)
+    idx = p["indexer"] if opts.sparse else None
+    dq, kv, *k_idx = ops.linears(x, [p["wq_a"], p["wkv_a"]] + ([idx["wk"]] if idx else []), off)
+
     # queries: the low-rank path c^Q -> q
-    qr = ops.rms_norm(ops.linear(x, p["wq_a"], off), p["q_norm"], args.rms_norm_eps, rnd)      # [B, T, r_q]
-    q = ops.linear(qr, p["wq_b"], off).reshape(B, T, H, N + R)
+    qr = ops.rms_norm(dq, p["q_norm"], args.rms_norm_eps, rnd)                     # c^Q [B, T, r_q]
+    q, *q_idx = ops.linears(qr, [p["wq_b"]] + ([idx["wq_b"]] if idx else []), off)
+    q = q.reshape(B, T, H, N + R)
     q_nope, q_pe = q[..., :N], rnd(ops.rope_interleaved(q[..., N:], cos, sin))  # MLA: nope first, interleaved
 
-    # keys and values: the compressed latent c^KV and the shared rope key k^R
-    kv = ops.linear(x, p["wkv_a"], off)                                            # [B, T, C + R]
+    # keys and values: the compressed latent c^KV [B, T, C] and the shared rope key k^R [B, T, R]
     c_kv = ops.rms_norm(kv[..., :C], p["kv_norm"], args.rms_norm_eps, rnd)        # [B, T, C]
     k_pe = rnd(ops.rope_interleaved(kv[:, :, None, C:], cos, sin))[:, :, 0]       # [B, T, R]
     fused = getattr(opts, "fused", False)               # the GPU's DSA kernels (backend_torch)
@@ -104,7 +110,7 @@ def mla_forward(x, p, cache, start_pos, S, cos, sin, args, opts):
 
     # eq. (2): which keys each query may see
     if opts.sparse:
-        allowed = indexer.indexer_forward(x, qr, p["indexer"], cache.idx, start_pos, S, cos, sin, args, opts)
+        allowed = indexer.indexer_forward(x, q_idx[0], k_idx[0], idx, cache.idx, start_pos, S, cos, sin, args, opts)
         if opts.record is not None:                     # --verify: the selection, layer by layer
             opts.record.setdefault("selected", []).append(ops.selection_mask(allowed, start_pos, S) if fused else allowed)
     else:  # dense: V3.1-Terminus behaviour on the same weights (the indexer is not run)

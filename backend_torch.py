@@ -137,6 +137,47 @@ def torch_ops(device, kernels=True, dsa=None):
             y = fp8_gemm_torch(q, s, W.w, W.scale)
         return bf16_round(y).reshape(*lead, -1)
 
+    def fuse_rows(Ws):  # FP8 weights of one input -> the same Weights, as row blocks of one (linears: one GEMM)
+        """At load. Every block but one must fill whole 128-row scale blocks; that one goes last.
+        Anything else (plain or unscaled weights, different K, a marked subclass such as parallel's
+        RowShard) comes back as it was."""
+        whole = _whole(Ws) if len(Ws) > 1 else None
+        if whole is not None and whole[0].w.shape[0] == sum(W.w.shape[0] for W in Ws):
+            return list(Ws)                                                            # laid out so already
+        if len(Ws) < 2 or len({(W.w.shape[1], W.w.dtype) for W in Ws}) > 1 or sum(W.w.shape[0] % 128 > 0 for W in Ws) > 1 \
+                or any(type(W) is not quant.Weight or W.scale is None for W in Ws):
+            return list(Ws)
+        order = sorted(range(len(Ws)), key=lambda i: Ws[i].w.shape[0] % 128 > 0)      # the ragged block last
+        w, s = torch.cat([Ws[i].w for i in order]), torch.cat([Ws[i].scale for i in order])
+        out, r = [None] * len(Ws), 0
+        for i in order:
+            n = Ws[i].w.shape[0]
+            out[i] = quant.Weight(w[r:r + n], s[r // 128:-(-(r + n) // 128)])
+            r += n
+        return out
+
+    def _whole(Ws):  # row blocks of one weight, as fuse_rows lays them out -> (that weight, row offsets), or None
+        w, s = Ws[0].w._base, None if Ws[0].scale is None else Ws[0].scale._base
+        if w is None or s is None or w.dim() != 2 or s.dim() != 2 or s.shape[0] != -(-w.shape[0] // 128):
+            return None
+        rows = []
+        for W in Ws:
+            if W.scale is None or W.w._base is not w or W.scale._base is not s or W.w.dtype != w.dtype or W.w.shape[1] != w.shape[1] \
+                    or not W.w.is_contiguous() or s.shape[1] != W.scale.shape[1]:
+                return None
+            r = (W.w.data_ptr() - w.data_ptr()) // (w.stride(0) * w.element_size())
+            if r % 128 or (W.scale.data_ptr() - s.data_ptr()) // (s.stride(0) * s.element_size()) != r // 128:
+                return None
+            rows.append(r)
+        return quant.Weight(w, s), rows
+
+    def linears(x, Ws, official):  # x times several weights: one GEMM when fuse_rows made them one weight's rows
+        whole = _whole(Ws) if official and len(Ws) > 1 else None
+        if whole is None:
+            return [linear(x, W, official) for W in Ws]
+        y = linear(x, whole[0], official)                # each output column depends on its own weight row only
+        return [y[..., r:r + W.w.shape[0]] for W, r in zip(Ws, whole[1])]
+
     def rms_norm(x, w, eps, rnd):
         x = x.float()
         return rnd(w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)))
@@ -464,7 +505,7 @@ def torch_ops(device, kernels=True, dsa=None):
     return SimpleNamespace(
         name="torch", device=device, kernels=kern,
         bf16_round=bf16_round, no_round=no_round, act_quant=act_quant, linear=linear, dequant=dequant,
-        rms_norm=rms_norm, layer_norm=layer_norm, rope_interleaved=rope_interleaved, rope_half_split=rope_half_split,
+        linears=linears, fuse_rows=fuse_rows, rms_norm=rms_norm, layer_norm=layer_norm, rope_interleaved=rope_interleaved, rope_half_split=rope_half_split,
         rotate_activation=rotate_activation, head_weights=head_weights, index_scores=index_scores,
         topk_select=topk_select, select=select, selection_mask=selection_mask, fused=fused, latent_cache=latent_cache,
         index_prep=index_prep if prep is not None else None,

@@ -86,9 +86,11 @@ def topk_select_ref(I, K, start_pos):  # [B, T, S] f32, top-k, offset -> [B, T, 
 # -----------------------------------------------------------------------------
 # The indexer layer: projections, RoPE, (rotation + FP8), key cache, scores, selection
 
-def indexer_forward(x, qr, p, cache, start_pos, S, cos, sin, args, opts):
-    """x [B, T, d], qr [B, T, r_q] (the MLA query latent, shared) -> selection [B, T, S] bool (the
-    GPU's kernels: [B, T, K] selected positions, -1 padded).
+def indexer_forward(x, q, k, p, cache, start_pos, S, cos, sin, args, opts):
+    """x [B, T, d]; q [B, T, J * D] = W^IQ c^Q_t (wq_b of the MLA query latent) and k [B, T, D] = W^IK h_t
+    (wk of x), projected by the caller with MLA's own projections of the same inputs (attention.
+    mla_forward: one GEMM each on a GPU) -> selection [B, T, S] bool (the GPU's kernels: [B, T, K]
+    selected positions, -1 padded).
     p: this layer's indexer weights; cache: its key cache (written at start_pos..start_pos+T; the
     first S slots are scored, S = start_pos + T except in a captured decode, where S is the cache's
     capacity and the causal mask hides the slots not written yet);
@@ -97,8 +99,7 @@ def indexer_forward(x, qr, p, cache, start_pos, S, cos, sin, args, opts):
     J, D, R = args.index_n_heads, args.index_head_dim, args.qk_rope_head_dim
     ops, off = opts.ops, opts.official
     rnd = ops.bf16_round if off else ops.no_round
-    q = ops.linear(qr, p["wq_b"], off).reshape(B, T, J, D)                          # q^I_{t,j}
-    k = ops.linear(x, p["wk"], off)                                                 # k^I_s before its norm
+    q = q.reshape(B, T, J, D)                                                       # q^I_{t,j}; k: k^I_s before its norm
     if off and opts.indexer_fp8 and getattr(ops, "index_prep", None) is not None:
         # a GPU: the steps below as one kernel (kernels_cuda.index_prep), the keys written to the cache
         q, w = ops.index_prep(x, q, k, p, cache, start_pos, cos, sin)

@@ -13,7 +13,9 @@ Numerics, set at load time:
 Backends: every numerical op goes through one op table, NUMPY_OPS here (the _ref functions, the
 definition of the model) or backend_torch.torch_ops(device); the wiring below is written once. A
 table with the GPU's DSA kernels (ops.fused) keeps selections as indices and the latent cache as
-packed rows (LayerCache), which attention.mla_forward routes through its one fused branch.
+packed rows (LayerCache), which attention.mla_forward routes through its one fused branch. A table
+with ops.fuse_rows lays the linears that share an input out as row blocks of one weight at load
+(wq_a | wkv_a | the indexer's wk, and wq_b | the indexer's wq_b) for ops.linears' one GEMM per group.
 
 Letters: B batch, T new tokens, S = start_pos + T keys, d hidden_size, V vocab_size.
 """
@@ -265,7 +267,8 @@ NUMPY_OPS = SimpleNamespace(
     # rounding points: official numerics round to bf16 where the official code holds bf16 tensors
     bf16_round=quant.bf16_round, no_round=quant.no_round,
     # number formats and linears
-    act_quant=quant.act_quant, linear=quant.linear_ref, dequant=quant.Weight.dequant,
+    act_quant=quant.act_quant, linear=quant.linear_ref, linears=quant.linears_ref, dequant=quant.Weight.dequant,
+    fuse_rows=None,                                     # a fast backend may lay linears of one input out as one
     # norms, RoPE
     rms_norm=attention.rms_norm_ref, layer_norm=indexer.layer_norm_ref,
     rope_interleaved=rope.rope_interleaved, rope_half_split=rope.rope_half_split,
@@ -377,6 +380,15 @@ class Transformer:
                                      args.rope_factor, args.rope_scaling.get("beta_fast", 32),
                                      args.rope_scaling.get("beta_slow", 1))
         self.caches, self.cached_len = None, 0
+        if getattr(ops, "fuse_rows", None) is not None and self.opts.official:    # the GEMMs of attention.mla_forward's ops.linears
+            for layer in weights["layers"]:
+                p = layer["attn"]
+                groups = [[(p, "wq_a"), (p, "wkv_a")], [(p, "wq_b")]]
+                if self.opts.sparse:
+                    groups = [groups[0] + [(p["indexer"], "wk")], groups[1] + [(p["indexer"], "wq_b")]]
+                for g in groups:
+                    for (d, name), W in zip(g, ops.fuse_rows([d[name] for d, name in g])):
+                        d[name] = W
 
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics="official", attention="sparse", indexer=None,

@@ -149,6 +149,11 @@ class Parallel:
                 return base.bf16_round(y) if official and W.scale is not None else y
             return y
 
+        def linears(x, Ws, official):                    # one GEMM only where no weight is a RowShard
+            if any(isinstance(W, RowShard) for W in Ws):
+                return [linear(x, W, official) for W in Ws]
+            return base.linears(x, Ws, official)
+
         def embed(table, tokens):                        # rows v0:v1 of the vocabulary here
             n = table.shape[0]
             local = tokens - rank * n
@@ -230,7 +235,7 @@ class Parallel:
             return a if isinstance(a, tuple) else base.param(a)
 
         return SimpleNamespace(**(vars(base) | dict(
-            weight=weight, linear=linear, embed=embed, head=head, select=select, moe=moe, mlp=mlp, param=param,
+            weight=weight, linear=linear, linears=linears, embed=embed, head=head, select=select, moe=moe, mlp=mlp, param=param,
             parallel=self)))
 
 

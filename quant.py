@@ -157,6 +157,10 @@ def linear_ref(x, W, official):  # [..., K], Weight [N, K] -> [..., N] float32
     return bf16_round(fp8_gemm(q, s, W.w, W.scale)).reshape(*lead, -1)
 
 
+def linears_ref(x, Ws, official):  # several linears of one input -> [linear_ref(x, W) for W in Ws]
+    return [linear_ref(x, W, official) for W in Ws]
+
+
 # -----------------------------------------------------------------------------
 # FP4 e2m1 with MX block scales (32 values, e8m0), packed two per byte (for later models' experts)
 

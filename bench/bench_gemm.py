@@ -29,6 +29,7 @@ SHAPES = {  # name -> (N, K) of the weight, DeepSeek-V3.2-Exp (spec/dsv32.md §2
     "q_a": (1536, 7168), "q_b": (24576, 1536), "kv_a": (576, 7168), "kv_b": (32768, 512), "o": (7168, 16384),
     "idx_wq_b": (8192, 1536), "idx_wk": (128, 7168), "mlp_w1": (18432, 7168), "mlp_w2": (7168, 18432),
     "expert_w1": (2048, 7168), "expert_w2": (7168, 2048),
+    "q_a+kv_a+idx_wk": (2240, 7168), "q_b+idx_wq_b": (32768, 1536),   # the model's fused projections (one GEMM each)
 }
 MS = (1, 16, 128, 2048, 8192)
 FLUSH = None

@@ -96,6 +96,28 @@ def test_fp8_gemm_split_k(M, N, kblocks, split_k, decode, seed):
                                   kernels_cuda.fp8_gemm(*args, decode=decode, split_k=1).view(torch.int16).cpu().numpy())
 
 
+@settings(max_examples=5)
+@given(st.integers(1, 3), st.lists(st.integers(1, 2), min_size=2, max_size=3), st.integers(1, 128),
+       st.integers(2, 5), st.booleans(), st.data())
+def test_fp8_gemm_columns_do_not_depend_on_their_neighbours(M, blocks, ragged, kblocks, decode, data):
+    """The model's fused projections (backend_torch.fuse_rows / linears) rely on this: the GEMM over
+    weights stacked by rows gives each weight's own GEMM's bits, whatever tiles and K split (drawn
+    apart for each call) the wider output gets."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 31)))
+    K = 128 * kblocks
+    rows = [128 * b for b in blocks[:-1]] + [128 * (blocks[-1] - 1) + ragged]
+    a, sa = quant.act_quant(rng.standard_normal((M, K)).astype(np.float32))
+    Ws = [quant.weight_quant(rng.standard_normal((n, K)).astype(np.float32)) for n in rows]
+    A = (t8(a), torch.from_numpy(sa).to(DEV))
+    split = lambda: data.draw(st.integers(1, kblocks))                  # noqa: E731
+    apart = [kernels_cuda.fp8_gemm(*A, t8(b), torch.from_numpy(sb).to(DEV), decode=decode, split_k=split())
+             for b, sb in Ws]
+    b, sb = np.concatenate([w for w, _ in Ws]), np.concatenate([s for _, s in Ws])
+    whole = kernels_cuda.fp8_gemm(*A, t8(b), torch.from_numpy(sb).to(DEV), decode=decode, split_k=split())
+    np.testing.assert_array_equal(whole.view(torch.int16).cpu().numpy(),
+                                  torch.cat(apart, 1).view(torch.int16).cpu().numpy())
+
+
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx90a"])
 @settings(max_examples=4)
 @given(st.integers(1, 24), st.integers(1, 130), st.sampled_from([128, 256]), st.integers(0, 2 ** 31))

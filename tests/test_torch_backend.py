@@ -3,9 +3,11 @@ CPU here and on a GPU where there is one (official numerics are held to the offi
 in test_official_trace.py, for every backend)."""
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 torch = pytest.importorskip("torch")
 
+import backend_torch
 import checkpoint
 from conftest import HAS_CUDA, gpu
 from helpers import rel_err
@@ -129,3 +131,56 @@ def test_cuda_graph_replays_the_static_step(ckpt):
         lb = graph(nxt, 20 + step)
         assert rel_err(lb.cpu().numpy(), la.cpu().numpy()) <= 1e-6, step
         nxt = la.argmax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=6, deadline=None)
+@given(st.lists(st.integers(1, 3), min_size=2, max_size=3), st.integers(1, 96), st.integers(0, 2 ** 31), st.data())
+def test_fused_linears_equal_one_gemm_per_weight(device, blocks, ragged, seed, data):
+    """fuse_rows lays several FP8 weights of one input out as row blocks of one; linears then runs one
+    GEMM over them: the same bits as one GEMM per weight (every output column depends on its own
+    weight row only), in the caller's order whichever block is ragged; what cannot share a GEMM stays apart."""
+    import parallel
+    import quant
+    ops = backend_torch.torch_ops(device)
+    rng = np.random.default_rng(seed)
+    K, M = 256, data.draw(st.integers(1, 5))
+    rows = [128 * b for b in blocks]
+    rows[data.draw(st.integers(0, len(rows) - 1))] += ragged - 128      # one block need not fill its last 128 rows
+    Ws = [ops.weight(quant.Weight(*quant.weight_quant(rng.standard_normal((n, K)).astype(np.float32)))) for n in rows]
+    x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32)).to(device)
+    apart = [ops.linear(x, W, True) for W in Ws]
+    fused = ops.fuse_rows(Ws)
+    base = fused[0].w._base
+    assert base is not None and base.shape == (sum(rows), K) and all(F.w._base is base for F in fused)
+    last = max(range(len(rows)), key=lambda i: fused[i].w.data_ptr())
+    assert all(n % 128 == 0 for i, n in enumerate(rows) if i != last)   # a ragged block goes last
+    for F, W in zip(fused, Ws):                                        # the same weights, now views
+        assert torch.equal(F.w.view(torch.uint8), W.w.view(torch.uint8)) and torch.equal(F.scale, W.scale)
+    assert ops.fuse_rows(fused) == fused                                # laid out so already: unchanged
+    together = ops.linears(x, fused, True)
+    for got, want in zip(together, apart):
+        assert got.shape == want.shape and torch.equal(got, want)
+    # not fused: two ragged blocks, different K, a RowShard (its product is a partial sum), unscaled weights
+    two_ragged = [ops.weight(quant.Weight(*quant.weight_quant(rng.standard_normal((n, K)).astype(np.float32))))
+                  for n in (64, 64)]
+    other_k = ops.weight(quant.Weight(*quant.weight_quant(rng.standard_normal((128, 2 * K)).astype(np.float32))))
+    shard = parallel.RowShard(*Ws[0])
+    plain = quant.Weight(Ws[0].w.float(), None)
+    for group in (two_ragged, [Ws[0], other_k], [shard, Ws[1]], [plain, Ws[1]]):
+        assert all(a is b for a, b in zip(ops.fuse_rows(group), group))
+    mixed = ops.linears(x, [fused[0], Ws[1]], True)                    # blocks of different weights: one GEMM each
+    assert torch.equal(mixed[0], apart[0]) and torch.equal(mixed[1], apart[1])
+
+
+def test_model_projections_share_gemms(ckpt):
+    """The model lays out wq_a | wkv_a | the indexer's wk and wq_b | the indexer's wq_b as one weight each
+    (sparse attention; dense leaves the indexer's out), in official numerics only."""
+    def one(*Ws):  # row blocks of one weight
+        return Ws[0].w._base is not None and all(W.w._base is Ws[0].w._base for W in Ws)
+    p = Transformer.from_pretrained(ckpt, backend="torch").w["layers"][0]["attn"]
+    assert one(p["wq_a"], p["wkv_a"], p["indexer"]["wk"]) and one(p["wq_b"], p["indexer"]["wq_b"])
+    p = Transformer.from_pretrained(ckpt, backend="torch", attention="dense").w["layers"][0]["attn"]
+    assert one(p["wq_a"], p["wkv_a"]) and not one(p["wq_a"], p["indexer"]["wk"]) and not one(p["wq_b"], p["indexer"]["wq_b"])
+    p = Transformer.from_pretrained(ckpt, backend="torch", numerics="exact").w["layers"][0]["attn"]
+    assert not one(p["wq_a"], p["wkv_a"])
