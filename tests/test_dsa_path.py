@@ -57,6 +57,9 @@ def test_exact_model_through_the_kernels_equals_numpy(ckpt, attention_mode):
     for p in (18, 19):                                                       # decode steps
         a, b = ref.forward(tokens[:, p:p + 1], start_pos=p), m.forward(tokens[:, p:p + 1], start_pos=p)
         assert rel_err(b.cpu().numpy(), a) <= 1e-5, p
+    # the step a CUDA graph captures: the position a 0-d int64 device tensor the kernels read in place
+    static = m.decode_static(torch.as_tensor(tokens[:, 19:20], device=DEV), torch.tensor(19, device=DEV))
+    assert rel_err(static.cpu().numpy(), a) <= 1e-5
 
 
 def test_latent_cache_rows_hold_the_official_round_trip():
