@@ -407,7 +407,7 @@ def _index_prep_keys(KR, COS, SIN, LNW, LNB, HS, K8, KS, POS, r0, BT, T, CAP, ep
     cos = tl.load(COS + t[:, None] * (R // 2) + rr[None, :])
     sin = tl.load(SIN + t[:, None] * (R // 2) + rr[None, :])
     y, s = _rotate_quant(_bf16_round(_rope(x, cos, sin, KB, D, R, False)), HS, KB, D, FP8_MAX)
-    at = (rows // T).to(tl.int64) * CAP + tl.load(POS).to(tl.int32) + t             # cache slots
+    at = (rows // T).to(tl.int64) * CAP + tl.load(POS).to(tl.int32) + t   # cache slots
     tl.store(K8 + at[:, None] * D + rd[None, :], y.to(K8.dtype.element_ty), mask=ok[:, None])
     tl.store(KS + at, s, mask=ok)
 
@@ -641,7 +641,7 @@ def _topk_list_kernel(SCORES, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.c
     in CAND[row, segment] (at most CAPS) with their scores in CSCORE (so that step 2 reads them
     contiguously), and their count in CNT[row, segment]."""
     row, seg, segs = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-    n = tl.minimum(tl.load(POS).to(tl.int32) + row % T + 1, S)                      # causal keys of this query
+    n = tl.minimum(tl.load(POS).to(tl.int32) + row % T + 1, S)            # causal keys of this query
     kk = tl.minimum(K, n)
     src = SCORES + row.to(tl.int64) * S
     cand = CAND + (row.to(tl.int64) * segs + seg) * CAPS
@@ -782,7 +782,7 @@ def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, SMALL, POS, T, S, K, CAPS, BLOC
     the lower index) are written out in index order; the row is padded with -1 when it has fewer than
     K causal keys."""
     row = tl.program_id(0)
-    n = tl.minimum(tl.load(POS).to(tl.int32) + row % T + 1, S)                      # causal keys of this query
+    n = tl.minimum(tl.load(POS).to(tl.int32) + row % T + 1, S)            # causal keys of this query
     kk = tl.minimum(K, n)
     dst = OUT + row.to(tl.int64) * K
     m, listed = _row_keys(CNT, row, n, kk, CAPS, SEGS, LISTS)
@@ -956,7 +956,7 @@ def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, S
     as FlashMLA does by hand. Measured on an H200: prefill 253 -> 320-331 TFLOP/s (bench/RESULTS.md)."""
     bt, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, t = bt // T, bt % T
-    last = tl.load(POS).to(tl.int32) + t                                            # the query's position
+    last = tl.load(POS).to(tl.int32) + t                                  # the query's position
     CH: tl.constexpr = C // 2
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = rh < H
@@ -1066,7 +1066,7 @@ def _mla_combine_kernel(O_PART, LSE_PART, O, LSE, POS, T, H, SPLITS, SPLIT, KSEL
     rs = tl.arange(0, BLOCK_S)
     hm = rh < H
     base = bt.to(tl.int64) * SPLITS * H
-    n = tl.load(POS).to(tl.int32) + bt % T + 1                                      # entries this query can have
+    n = tl.load(POS).to(tl.int32) + bt % T + 1                            # entries this query can have
     if not DENSE:
         n = tl.minimum(n, KSEL)
     live = tl.minimum((n + SPLIT - 1) // SPLIT, SPLITS)
