@@ -13,6 +13,8 @@ row per token of latent cache (latent_cache, store_latent, unpack_latent), the a
 over the selected rows for every chunk length (latent_attention; dense prefill through PyTorch's
 scaled_dot_product_attention, dense_prefill). On the CPU, and for ops without a kernel, plain torch
 computes what the reference computes (FP8 products in float64, which holds them exactly).
+On every device, FP8 linears that share an input are laid out at load as row blocks of one weight
+(fuse_rows, called by model.Transformer) and run as one GEMM (linears), with the same bits.
 GraphDecoder, at the end, replays decode steps from a captured CUDA graph.
 """
 from types import SimpleNamespace
@@ -144,7 +146,8 @@ def torch_ops(device, kernels=True, dsa=None):
         whole = _whole(Ws) if len(Ws) > 1 else None
         if whole is not None and whole[0].w.shape[0] == sum(W.w.shape[0] for W in Ws):
             return list(Ws)                                                            # laid out so already
-        if len(Ws) < 2 or len({(W.w.shape[1], W.w.dtype) for W in Ws}) > 1 or sum(W.w.shape[0] % 128 > 0 for W in Ws) > 1 \
+        ragged = sum(W.w.shape[0] % 128 > 0 for W in Ws)
+        if len(Ws) < 2 or ragged > 1 or len({(W.w.shape[1], W.w.dtype) for W in Ws}) > 1 \
                 or any(type(W) is not quant.Weight or W.scale is None for W in Ws):
             return list(Ws)
         order = sorted(range(len(Ws)), key=lambda i: Ws[i].w.shape[0] % 128 > 0)      # the ragged block last
@@ -162,8 +165,8 @@ def torch_ops(device, kernels=True, dsa=None):
             return None
         rows = []
         for W in Ws:
-            if W.scale is None or W.w._base is not w or W.scale._base is not s or W.w.dtype != w.dtype or W.w.shape[1] != w.shape[1] \
-                    or not W.w.is_contiguous() or s.shape[1] != W.scale.shape[1]:
+            if W.scale is None or W.w._base is not w or W.scale._base is not s or W.w.dtype != w.dtype \
+                    or W.w.shape[1] != w.shape[1] or not W.w.is_contiguous() or s.shape[1] != W.scale.shape[1]:
                 return None
             r = (W.w.data_ptr() - w.data_ptr()) // (w.stride(0) * w.element_size())
             if r % 128 or (W.scale.data_ptr() - s.data_ptr()) // (s.stride(0) * s.element_size()) != r // 128:

@@ -381,7 +381,7 @@ class Transformer:
                                      args.rope_scaling.get("beta_slow", 1))
         self.caches, self.cached_len = None, 0
         if getattr(ops, "fuse_rows", None) is not None and self.opts.official:
-            for layer in weights["layers"]:        # the groups of attention.mla_forward's ops.linears
+            for layer in weights["layers"]:        # the groups of mla_forward's ops.linears, in place
                 p = layer["attn"]
                 groups = [[(p, "wq_a"), (p, "wkv_a")], [(p, "wq_b")]]
                 if self.opts.sparse:
