@@ -241,14 +241,18 @@ def random_weights(cfg, seed=0, fp8_linear=None):  # config dict -> {HF name: ar
     """Random weights in the checkpoint's dtypes. Linear weights ~ N(0, 1/fan_in) so activations keep
     their scale through depth; norms near 1; the router bias small and positive like a trained one.
     fp8_linear(n, k) -> (codes, scales) replaces the NumPy draw of the FP8 linears (gpu_fp8_linear:
-    drawn and quantized on a GPU, for real-size checkpoints)."""
+    drawn and quantized on a GPU, for real-size checkpoints).
+    The bytes are the same on any CPU and library version: draws in float64, then only exactly
+    rounded steps (IEEE float32 arithmetic, quant.round_once to bf16, weight_quant's float32 -> FP8)."""
     rng = np.random.default_rng(seed)
     D, V = cfg["hidden_size"], cfg["vocab_size"]
     H, dn, dr, dv = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     rq, rkv = cfg["q_lora_rank"], cfg["kv_lora_rank"]
     J, Di = cfg["index_n_heads"], cfg["index_head_dim"]
-    bf16 = DTYPES["BF16"]
     t = {}
+
+    def bf16(x):  # float64 draw -> bf16, rounded once (the same bytes on any CPU and ml_dtypes version)
+        return quant.round_once(x, quant.BF16)
 
     def fp8(name, n, k):
         if fp8_linear is not None:
@@ -260,7 +264,7 @@ def random_weights(cfg, seed=0, fp8_linear=None):  # config dict -> {HF name: ar
     def norm(name, n):
         t[name + ".weight"] = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    t["model.embed_tokens.weight"] = rng.standard_normal((V, D)).astype(bf16)
+    t["model.embed_tokens.weight"] = bf16(rng.standard_normal((V, D)))
     for i in range(cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)):
         p = f"model.layers.{i}."
         norm(p + "input_layernorm", D)
@@ -277,7 +281,7 @@ def random_weights(cfg, seed=0, fp8_linear=None):  # config dict -> {HF name: ar
         fp8(a + "indexer.wk", Di, D)
         norm(a + "indexer.k_norm", Di)
         t[a + "indexer.k_norm.bias"] = (0.1 * rng.standard_normal(Di)).astype(np.float32)
-        t[a + "indexer.weights_proj.weight"] = (rng.standard_normal((J, D)) / np.sqrt(D)).astype(bf16)
+        t[a + "indexer.weights_proj.weight"] = bf16(rng.standard_normal((J, D)) / np.sqrt(D))
         m = p + "mlp."
         if i < cfg["first_k_dense_replace"]:
             for w, (n, k) in (("gate_proj", (cfg["intermediate_size"], D)),
@@ -286,7 +290,7 @@ def random_weights(cfg, seed=0, fp8_linear=None):  # config dict -> {HF name: ar
                 fp8(m + w, n, k)
             continue
         E, I = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-        t[m + "gate.weight"] = (rng.standard_normal((E, D)) / np.sqrt(D)).astype(bf16)
+        t[m + "gate.weight"] = bf16(rng.standard_normal((E, D)) / np.sqrt(D))
         t[m + "gate.e_score_correction_bias"] = (0.05 * rng.random(E)).astype(np.float32)
         for e in range(E):
             for w, (n, k) in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
@@ -295,7 +299,7 @@ def random_weights(cfg, seed=0, fp8_linear=None):  # config dict -> {HF name: ar
         for w, (n, k) in (("gate_proj", (Is, D)), ("up_proj", (Is, D)), ("down_proj", (D, Is))):
             fp8(m + f"shared_experts.{w}", n, k)
     t["model.norm.weight"] = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
-    t["lm_head.weight"] = (rng.standard_normal((V, D)) / np.sqrt(D)).astype(bf16)
+    t["lm_head.weight"] = bf16(rng.standard_normal((V, D)) / np.sqrt(D))
     return t
 
 

@@ -32,6 +32,19 @@ def no_round(x):  # the exact-numerics twin of bf16_round: float32, untouched
     return np.asarray(x, np.float32)
 
 
+def round_once(x, fmt):  # float64 array -> `fmt` (bf16, fp8, float32), ONE rounding to nearest even
+    """The exact value rounded once, whatever ml_dtypes' own float64 path does (0.5 went through
+    float32, rounding twice; 0.7 rounds once): round to odd into float32, then float32 -> fmt
+    rounds to nearest even, which equals one rounding of the float64 value because float32 keeps
+    at least two bits more than `fmt` (round-to-odd, Boldo and Melquiond 2008)."""
+    x = np.asarray(x, np.float64)
+    f = x.astype(np.float32)                                             # nearest float32
+    inexact = f.astype(np.float64) != x
+    down = np.where(np.abs(f.astype(np.float64)) > np.abs(x), np.nextafter(f, np.float32(0)), f)  # toward 0
+    odd = (down.view(np.uint32) | inexact.astype(np.uint32)).view(np.float32)  # sticky bit in the last place
+    return odd.astype(fmt)
+
+
 # -----------------------------------------------------------------------------
 # FP8 codes -> floats through a 256-entry table (the same values as ml_dtypes' cast, 6x faster)
 

@@ -17,7 +17,11 @@ def yarn_freqs(R, theta, max_seq_len, original_seq_len, factor, beta_fast, beta_
     """Per-pair frequencies; YaRN blends interpolated (freq / factor) and original frequencies by a
     linear ramp over the pairs between the two correction dims. Active only when the run's
     max_seq_len exceeds the original training length (the official condition)."""
-    freqs = np.float32(1) / np.power(np.float32(theta), np.arange(0, R, 2, dtype=np.float32) / np.float32(R))
+    exponent = np.arange(0, R, 2, dtype=np.float32) / np.float32(R)      # 2i/R in fp32, as the demo
+    # theta ** (2i/R): the demo's fp32 pow, made the same on every CPU by computing it in float64 and
+    # rounding once (NumPy's own fp32 power takes other code paths on other CPUs, e.g. AVX512)
+    power = np.array([math.pow(theta, float(e)) for e in exponent]).astype(np.float32)
+    freqs = np.float32(1) / power
     if max_seq_len <= original_seq_len:
         return freqs
 

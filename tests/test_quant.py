@@ -168,3 +168,40 @@ def test_fp4_packing_low_nibble_is_even_index():
     w[0, 2] = 100.0                       # saturates: scale 2^(6-2) = 16, 100/16 -> 6
     packed, s = quant.fp4_quant(w)
     assert quant.fp4_dequant(packed, s)[0, 2] == 96.0
+
+
+# round_once: float64 -> a format in one rounding, against exact rational arithmetic
+
+def nearest_even_oracle(x, fmt):  # exact: Fractions over every finite code of the format
+    from fractions import Fraction
+    codes = np.arange(1 << (8 * np.dtype(fmt).itemsize), dtype=np.uint16 if np.dtype(fmt).itemsize == 2 else np.uint8)
+    with np.errstate(invalid="ignore"):
+        vals = codes.view(fmt).astype(np.float64)
+    keep = np.isfinite(vals)
+    codes, vals = codes[keep], vals[keep]
+    order = np.argsort(vals, kind="stable")
+    vals, codes = vals[order], codes[order]
+    i = int(np.searchsorted(vals, x))
+    best = None
+    for j in range(max(i - 2, 0), min(i + 2, len(vals))):          # both zeros sit side by side
+        d = abs(Fraction(float(vals[j])) - Fraction(float(x)))
+        key = (d, np.signbit(vals[j]) != np.signbit(x), int(codes[j]) & 1)  # zero keeps x's sign; tie: even code
+        if best is None or key < best[0]:
+            best = (key, codes[j])
+    return best[1]
+
+
+@given(st.data(), st.sampled_from(["bf16", "e4m3"]))
+def test_round_once_is_one_rounding(data, name):
+    fmt, top, bits = (quant.BF16, 3.3e38, np.uint16) if name == "bf16" else (quant.E4M3, 464.0, np.uint8)
+    x = data.draw(st.floats(-top, top, allow_nan=False, allow_subnormal=True))  # e4m3fn: below its rounding edge
+    got = quant.round_once(np.array([x]), fmt).view(bits)[0]
+    assert got == nearest_even_oracle(x, fmt), (x, hex(got))
+
+
+def test_round_once_differs_from_double_rounding():
+    # 1 + 2^-8 + 2^-30: float32 rounds it to the bf16 tie 1 + 2^-8, which then goes to 1.0 (even);
+    # one rounding of the exact value goes up to 1 + 2^-7
+    x = np.array([1 + 2.0 ** -8 + 2.0 ** -30])
+    assert float(x.astype(np.float32).astype(quant.BF16)[0]) == 1.0
+    assert float(quant.round_once(x, quant.BF16)[0]) == 1 + 2.0 ** -7
