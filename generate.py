@@ -226,7 +226,10 @@ def main(argv=None):
         if a.verify:
             ap.error("--verify runs in one process (not under torchrun)")
         import parallel
-        a.parallel, a.device = parallel.init_from_env()
+        try:
+            a.parallel, a.device = parallel.init_from_env(a.device)   # a GPU per rank, or --device cpu: gloo
+        except parallel.ShardError as e:
+            raise SystemExit(f"error: {e}")
         a.backend = "torch"
         if a.parallel.rank != 0:                          # rank 0 prints and reads; the others compute
             quiet = os.open(os.devnull, os.O_WRONLY)

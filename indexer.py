@@ -103,7 +103,8 @@ def indexer_forward(x, q, k, p, cache, start_pos, S, cos, sin, args, opts):
     if off and opts.indexer_fp8 and getattr(ops, "index_prep", None) is not None:
         # a GPU: the steps below as one kernel (kernels_cuda.index_prep), the keys written to the cache
         q, w = ops.index_prep(x, q, k, p, cache, start_pos, cos, sin)
-        return ops.select(q, w, cache.k[:B, :S], cache.k_scale[:B, :S], args.index_topk, start_pos, indices=True)
+        return ops.select(q, w, cache.k[:B, :S], cache.k_scale[:B, :S], args.index_topk, start_pos,
+                          indices=getattr(opts, "fused", False))          # a mask unless attention takes indices
     # rope part FIRST here (MLA puts it last); half-split layout (official fix of 2025-11-17)
     q = ops.cat([rnd(ops.rope_half_split(q[..., :R], cos, sin)), q[..., R:]], -1)
     k = rnd(ops.layer_norm(k, p["k_norm"], p["k_norm_bias"]))                        # k^I_s [B, T, D]

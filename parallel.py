@@ -239,14 +239,24 @@ class Parallel:
             parallel=self)))
 
 
-def init_from_env():
-    """torchrun's environment -> an initialised default group (NCCL on GPUs, gloo on the CPU), the
-    device of this rank, and its Parallel; None when not launched by torchrun (one process)."""
+def init_from_env(device=None):
+    """torchrun's environment -> an initialised default group, the device of this rank, and its
+    Parallel; (None, None) when not launched by torchrun (one process). device: None picks one GPU
+    per rank (NCCL) where there are GPUs, else the CPU (gloo); "cpu" runs the ranks on the CPU even
+    where there are GPUs. More ranks on this host than it has GPUs is refused, before any GPU is touched."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None, None
-    cuda = torch.cuda.is_available()
+    if device not in (None, "cpu", "cuda"):
+        raise ShardError(f"--device {device}: under torchrun each rank takes its own GPU (--device cuda) "
+                         f"or the CPU (--device cpu)")
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if device == "cuda" and not cuda:
+        raise ShardError("--device cuda: no GPU is visible on this host (run the ranks on the CPU with --device cpu)")
     if cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
+        ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])), torch.cuda.device_count()
+        if ranks > gpus:
+            raise ShardError(f"torchrun started {ranks} ranks on this host but it has {gpus} GPU(s): use "
+                             f"--nproc-per-node {gpus} or fewer, or run the ranks on the CPU with --device cpu")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo")
     return Parallel.from_env(), (f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")

@@ -79,6 +79,8 @@ def main():
     ap.add_argument("--batch-prefill", type=int, default=256, help="its prompts' length (default 256)")
     ap.add_argument("--render", nargs="+", help="stored parallel_<ranks>.json runs -> the table and the estimate")
     ap.add_argument("--layers", type=int, default=61, help="--render: layers of the whole model for the estimate")
+    ap.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                    help="cpu: run the ranks on the CPU (gloo) even where there are GPUs (default: a GPU per rank if any)")
     a = ap.parse_args()
     if a.render:
         print(render([json.loads(Path(p).read_text()) for p in a.render], a.layers))
@@ -88,8 +90,8 @@ def main():
     import parallel
     from model import Transformer
 
-    ctx, device = parallel.init_from_env()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ctx, device = parallel.init_from_env(a.device)
+    device = device or a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     m = Transformer.from_pretrained(a.ckpt, backend="torch", device=device, parallel=ctx)
     V = m.args.vocab_size
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""Run by tests/test_parallel.py under torch.distributed.run (gloo, CPU): one rank of the parallel
+"""Run by tests/test_parallel.py under torch.distributed.run (gloo on the CPU, or NCCL with device cuda): one rank of the parallel
 model on a checkpoint; rank 0 saves the logits of a prefill (every position), of a chunk after the
 cache and of greedy decode steps to OUT (.npz) for the test to compare with one process (or, on GPUs,
 decode steps plain and replayed from a CUDA graph, for the test to compare with each other)."""
@@ -53,8 +53,8 @@ def graph_decode(m):  # official numerics on GPUs: decode steps plain, then repl
     return runs
 
 
-def main(ckpt, out, numerics, attention, what="script"):
-    ctx, device = parallel.init_from_env()
+def main(ckpt, out, numerics, attention, what="script", device="cpu"):
+    ctx, device = parallel.init_from_env(device)
     m = Transformer.from_pretrained(ckpt, backend="torch", device=device, numerics=numerics, attention=attention,
                                     parallel=ctx)
     res = {"script": script, "moe": moe_op, "graph": graph_decode}[what](m)

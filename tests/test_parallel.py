@@ -40,9 +40,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(ckpt, n, out, numerics="exact", attention="sparse", what="script"):
+def launch(ckpt, n, out, numerics="exact", attention="sparse", what="script", device="cpu"):
+    # ranks on the CPU (gloo) unless device="cuda": the CPU comparisons run on a GPU machine too
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", str(free_port()),
-           str(ROOT / "tests" / "parallel_worker.py"), str(ckpt), str(out), numerics, attention, what]
+           str(ROOT / "tests" / "parallel_worker.py"), str(ckpt), str(out), numerics, attention, what, device]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -65,7 +66,7 @@ def test_parallel_on_two_gpus_with_nccl_equals_one_gpu(ckpt, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     want = single(ckpt, device="cuda")
-    got = launch(ckpt, 2, tmp_path / "nccl.npz")
+    got = launch(ckpt, 2, tmp_path / "nccl.npz", device="cuda")
     for k in ("prefill", "chunk", "steps"):
         assert rel_err(got[k], want[k]) <= 1e-5, k
     np.testing.assert_array_equal(got["steps"].argmax(-1), want["steps"].argmax(-1))
@@ -76,7 +77,7 @@ def test_parallel_decode_replayed_from_a_cuda_graph_on_two_gpus(ckpt, tmp_path):
     # official numerics, NCCL collectives captured in the graph: the replayed steps equal the plain ones
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    got = launch(ckpt, 2, tmp_path / "graph.npz", numerics="official", what="graph")
+    got = launch(ckpt, 2, tmp_path / "graph.npz", numerics="official", what="graph", device="cuda")
     assert np.isfinite(got["plain"]).all()
     err = rel_err(got["graph"], got["plain"])                     # the same kernels, attention over the capacity
     assert err <= 1e-3, err
@@ -139,8 +140,8 @@ def test_torchrun_generate_equals_one_process(chat_ckpt):
     # `torchrun --nproc-per-node 2 generate.py ...` prints what one process prints; interactive input
     # is read by rank 0 and broadcast (two turns, then EOF)
     import os
-    common = ["--ckpt", str(chat_ckpt), "--backend", "torch", "--numerics", "exact", "--temperature", "0",
-              "--max-new-tokens", "8"]
+    common = ["--ckpt", str(chat_ckpt), "--backend", "torch", "--device", "cpu", "--numerics", "exact",
+              "--temperature", "0", "--max-new-tokens", "8"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = lambda pre, extra, **kw: subprocess.run(pre + [str(ROOT / "generate.py")] + common + extra,    # noqa: E731
                                                   capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, **kw)
@@ -161,7 +162,7 @@ def test_parallel_benchmark_script_runs(ckpt, tmp_path):
     import os
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     bench = [str(ROOT / "bench" / "bench_parallel.py"), "--ckpt", str(ckpt), "--out", str(tmp_path), "--prefill", "16",
-             "--steps", "2", "--batch", "2", "--batch-prefill", "8"]
+             "--steps", "2", "--batch", "2", "--batch-prefill", "8", "--device", "cpu"]
     for pre in ([sys.executable], [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                    "--master-port", str(free_port())]):
         r = subprocess.run(pre + bench, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
@@ -180,3 +181,21 @@ def test_eight_rank_estimate_fit():
     a, b, c = 0.3e-3, 2.0e-3, 0.05e-3
     assert abs(fit8(a + b, a + b / 2) - (a + b / 8)) <= 1e-12
     assert abs(fit8(a + b, a + b / 2 + c) - (a + b / 8 + 1.75 * c)) <= 1e-12
+
+
+def test_more_ranks_than_gpus_is_refused_with_a_message(monkeypatch):
+    # torchrun --nproc-per-node 4 on a host with one GPU: one line saying what to do, before any GPU
+    # is touched (it died on "CUDA error: invalid device ordinal"); --device cpu runs the ranks on gloo
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("touched a GPU"))
+    with pytest.raises(parallel.ShardError, match=r"started 4 ranks on this host but it has 1 GPU\(s\): use "
+                                                  r"--nproc-per-node 1 or fewer, or run the ranks on the CPU with --device cpu"):
+        parallel.init_from_env()
+    with pytest.raises(parallel.ShardError, match="--device tpu"):
+        parallel.init_from_env("tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(parallel.ShardError, match="no GPU is visible"):
+        parallel.init_from_env("cuda")
