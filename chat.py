@@ -19,6 +19,7 @@ Parsing is one text-level state machine per format; parse() is the stream fed in
 tests check that every chunking (per character, per UTF-8 byte, per token) gives the same result.
 """
 import codecs
+import functools
 import json
 import re
 import uuid
@@ -170,13 +171,14 @@ def encode(messages, fmt="v32exp", thinking=None, tools=None, add_generation_pro
     system prompt. In the DSML formats a user turn always ends with the assistant prefix and
     add_generation_prompt has no effect (the reference encoders have no such flag). drop_thinking and
     reasoning_effort ("max") act in dsml4 only: in dsml32 the official rules never show reasoning
-    before the last user turn, so dropping it changes nothing."""
+    before the last user turn, so dropping it changes nothing. A lone surrogate anywhere in the input
+    (not a character; no tokenizer or UTF-8 writer takes it) comes out as U+FFFD, as in the parser."""
     if fmt not in FORMATS:
         raise ValueError(f"chat format {fmt!r} is not one of {', '.join(FORMATS)}")
     thinking = resolve_thinking(thinking, enable_thinking)
     if fmt == "v32exp":
-        return _encode_v32exp(messages, thinking, tools, add_generation_prompt)
-    return _encode_dsml(messages, fmt, thinking, tools, drop_thinking, reasoning_effort)
+        return no_surrogates(_encode_v32exp(messages, thinking, tools, add_generation_prompt))
+    return no_surrogates(_encode_dsml(messages, fmt, thinking, tools, drop_thinking, reasoning_effort))
 
 
 def _encode_v32exp(messages, thinking, tools, add_generation_prompt):
@@ -355,13 +357,50 @@ def default_format(ckpt_dir):
 # Parsing: one text-level state machine per format, fed in any chunks
 
 MERGED_SPANS = {"reasoning", "content", "name", "arguments", "markup", "filler", "error"}   # markers never merge
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@functools.lru_cache(maxsize=None)
+def marker_regex(markers):  # one search for the earliest marker; the longer one first, so it wins a tie
+    return re.compile("|".join(re.escape(mk) for mk in sorted(markers, key=len, reverse=True)))
+
+
+def held_suffix(buf, pos, markers):
+    """Length of the longest suffix of buf[pos:] that is a proper prefix of a marker: only the tail
+    shorter than the marker is looked at, from its leftmost possible start (so the longest hold)."""
+    hold = 0
+    for mk in markers:
+        p = buf.find(mk[0], max(pos, len(buf) - len(mk) + 1))
+        while p >= 0 and len(buf) - p > hold:
+            if mk.startswith(buf[p:]):
+                hold = len(buf) - p
+                break
+            p = buf.find(mk[0], p + 1)
+    return hold
+
+
+def utf8_len(text):
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def no_surrogates(text):
+    """A lone surrogate is not a character and has no UTF-8: each becomes U+FFFD (one char, 3 bytes),
+    as the byte decoder does with invalid UTF-8. Pairs are not joined, so every chunking agrees."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return SURROGATE.sub("\ufffd", text)
 
 
 class StreamParser:
     """Feed completion text (str, or bytes through an incremental UTF-8 decoder) in any chunks; get
     events back. Held back, so never emitted twice or out of order: an incomplete UTF-8 sequence and
     any suffix that could still become a marker; structural text between calls is decided only once
-    the next marker (or the end) is seen. Events are dicts:
+    the next marker (or the end) is seen. A lone surrogate in a str chunk (not text; it has no UTF-8)
+    is read as U+FFFD, the character the byte decoder gives invalid UTF-8. Events are dicts:
 
         {"type": "reasoning", "text"}            reasoning text (the prompt ended with <think>)
         {"type": "content", "text"}              answer text
@@ -370,6 +409,10 @@ class StreamParser:
         {"type": "tool_call_done", "index", "arguments"}   complete, with valid JSON object arguments
         {"type": "error", "reason", "text"[, "index"]}     malformed output; its raw text is kept here
         {"type": "finish", "finish_reason"}                last event of finish(): "tool_calls" or "stop"
+
+    Linear: the work per chunk does not depend on what came before. Only the unconsumed tail (shorter
+    than the longest marker) is kept between chunks, plus what the output needs whole: an open call's
+    raw text (for its error), its arguments, and an undecided structural gap, each kept as pieces.
     """
 
     def __init__(self, fmt="v32exp", prompt="", tools=None):
@@ -381,11 +424,13 @@ class StreamParser:
         self.state = "reasoning" if prompt.endswith(THINK) else "content"
         b = "function_calls" if fmt == "dsml32" else "tool_calls"
         self.open_block, self.close_block = f"<{DSML}{b}>", f"</{DSML}{b}>"
-        self.buf, self.text = "", ""                     # unconsumed text; everything consumed so far
-        self.chars = self.bytes = 0                      # offsets of the buffer's start
+        self.buf, self.pos = "", 0                       # the text; buf[:pos] is consumed (dropped per feed)
+        self.chars = self.bytes = 0                      # offsets of buf[pos]
+        self.record = None                               # an open call's raw text so far, as pieces
+        self.gap, self.gap_start = [], None              # an undecided structural gap, and its offsets
         self.events, self.spans, self.calls, self.errors = [], [], [], []
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.call, self.n_calls, self.after = None, 0, ""
+        self.call, self.n_calls, self.after = None, 0, []
         self.finished = False
 
     # --- plumbing -------------------------------------------------------------------------------
@@ -393,65 +438,78 @@ class StreamParser:
     def feed(self, chunk):  # str or bytes -> [event]
         if self.finished:
             raise ValueError("feed() after finish()")
-        if isinstance(chunk, (bytes, bytearray)):
+        if isinstance(chunk, (bytes, bytearray, memoryview)):
             chunk = self.decoder.decode(bytes(chunk))
         self.events = []
-        self.buf += chunk
+        self.buf, self.pos = self.buf[self.pos:] + no_surrogates(chunk), 0
         self._run(final=False)
-        return self.events
+        return self._joined(self.events)
 
     def finish(self):  # -> [event], the last one {"type": "finish", ...}
         self.events = []
-        self.buf += self.decoder.decode(b"", final=True)
+        self.buf, self.pos = self.buf[self.pos:] + self.decoder.decode(b"", final=True), 0
         self._run(final=True)
         self._end_of_stream()
         self.finished = True
         self.events.append({"type": "finish", "finish_reason": self.finish_reason})
-        return self.events
+        return self._joined(self.events)
+
+    @staticmethod
+    def _joined(events):  # text events gather pieces while the machine runs (one join, not one per piece)
+        for ev in events:
+            if ev["type"] in ("reasoning", "content"):
+                ev["text"] = "".join(ev["text"])
+        return events
 
     @property
     def finish_reason(self):  # tool_calls only when at least one call with valid JSON arguments
         return "tool_calls" if self.calls else "stop"
 
-    def _take(self, n, kind):  # consume n chars of the buffer as a span of `kind` -> the text
-        text, self.buf = self.buf[:n], self.buf[n:]
-        if not text:
-            return text
-        nb = len(text.encode("utf-8"))
+    def _consume(self, n):  # n chars of the buffer -> their text; the offsets move on, no span yet
+        text = self.buf[self.pos:self.pos + n]
+        self.pos, self.chars, self.bytes = self.pos + n, self.chars + n, self.bytes + utf8_len(text)
+        if self.record is not None:
+            self.record.append(text)
+        return text
+
+    def _span(self, kind, chars, nbytes):  # the text from offsets (chars, nbytes) to here is a `kind`
+        if chars == self.chars:
+            return
         last = self.spans[-1] if self.spans else None
-        if last and kind in MERGED_SPANS and last["kind"] == kind and last["chars"][1] == self.chars:
-            last["chars"], last["bytes"] = (last["chars"][0], self.chars + n), (last["bytes"][0], self.bytes + nb)
+        if last and kind in MERGED_SPANS and last["kind"] == kind and last["chars"][1] == chars:
+            last["chars"], last["bytes"] = (last["chars"][0], self.chars), (last["bytes"][0], self.bytes)
         else:
-            self.spans.append({"kind": kind, "chars": (self.chars, self.chars + n),
-                               "bytes": (self.bytes, self.bytes + nb)})
-        self.chars, self.bytes, self.text = self.chars + n, self.bytes + nb, self.text + text
+            self.spans.append({"kind": kind, "chars": (chars, self.chars), "bytes": (nbytes, self.bytes)})
+
+    def _take(self, n, kind):  # consume n chars of the buffer as a span of `kind` -> the text
+        chars, nbytes = self.chars, self.bytes
+        text = self._consume(n)
+        self._span(kind, chars, nbytes)
         return text
 
     def _scan(self, markers, final):
-        """-> (index, marker) of the earliest marker in the buffer (the longer one on a tie); else
-        (n, None): n chars are safe to consume, holding back a suffix that is a proper prefix of a
-        marker (nothing is held back when final)."""
-        best = None
-        for mk in markers:
-            i = self.buf.find(mk)
-            if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(mk) > len(best[1]))):
-                best = (i, mk)
-        if best or final:
-            return best or (len(self.buf), None)
-        hold = 0
-        for mk in markers:
-            for k in range(min(len(mk) - 1, len(self.buf)), hold, -1):
-                if self.buf.endswith(mk[:k]):
-                    hold = k
-                    break
-        return len(self.buf) - hold, None
+        """-> (n, marker): the earliest marker is n chars into the buffer (the longer one on a tie);
+        else (n, None): n chars are safe to consume, holding back a suffix that is a proper prefix of
+        a marker (nothing is held back when final). Looks at the unconsumed text only."""
+        m = marker_regex(tuple(markers)).search(self.buf, self.pos)
+        if m:
+            return m.start() - self.pos, m.group()
+        n = len(self.buf) - self.pos
+        return (n if final else n - held_suffix(self.buf, self.pos, markers)), None
+
+    def _open_record(self):  # from here to the call's end, consumed text is kept for its error
+        self.record = []
+
+    def _close_record(self):  # -> the open call's raw text
+        text, self.record = "".join(self.record), None
+        return text
 
     def _emit_text(self, kind, text):
         if text:
             if self.events and self.events[-1]["type"] == kind:
-                self.events[-1]["text"] += text
+                self.events[-1]["text"].append(text)
             else:
-                self.events.append({"type": kind, "text": text})
+                self.events.append({"type": kind, "text": [text]})
 
     def _error(self, reason, text, index=None):
         err = {"reason": reason, "text": text} | ({"index": index} if index is not None else {})
@@ -463,25 +521,42 @@ class StreamParser:
         self._emit_text(kind, self._take(i, kind))
         return mk
 
+    def _gap(self, markers, final):
+        """Structural text up to the next marker, consumed as it comes (never scanned twice) but
+        decided only once the marker or the end is seen -> (marker, gap text) or None if undecided."""
+        i, mk = self._scan(markers, final)
+        if self.gap_start is None:
+            self.gap_start = (self.chars, self.bytes)
+        self.gap.append(self._consume(i))
+        if mk is None and not final:
+            return None
+        gap, self.gap = "".join(self.gap), []
+        return mk, gap
+
+    def _gap_span(self, kind):  # the decided gap's span
+        start, self.gap_start = self.gap_start, None
+        self._span(kind, *start)
+
     def _between(self, markers, final):
         """Structural gap (between calls, inside an invoke): whitespace is filler; anything else is
         kept as content and noted. Decided only once the next marker or the end is seen."""
-        i, mk = self._scan(markers, final)
-        if mk is None and not final:
+        got = self._gap(markers, final)
+        if got is None:
             return None
-        gap = self.buf[:i]
+        mk, gap = got
         if gap.strip():
-            self._emit_text("content", self._take(i, "content"))
+            self._gap_span("content")
+            self._emit_text("content", gap)
             self._error("unexpected_text", gap)
         else:
-            self._take(i, "filler")
+            self._gap_span("filler")
         return mk
 
     # --- calls ----------------------------------------------------------------------------------
 
-    def _start_call(self, name, start, bad=None):
+    def _start_call(self, name, bad=None):
         name = name.strip()
-        self.call = {"index": self.n_calls, "name": name, "args": "", "start": start, "started": False,
+        self.call = {"index": self.n_calls, "name": name, "args": [], "started": False,
                      "bad": bad or (None if name else "empty_name"), "params": {}}
         self.n_calls += 1
         if self.call["bad"]:
@@ -494,7 +569,7 @@ class StreamParser:
 
     def _args(self, text):
         if text:
-            self.call["args"] += text
+            self.call["args"].append(text)
             if self.call["started"] and not self.call["bad"]:
                 self.events.append({"type": "tool_call_arguments", "index": self.call["index"], "text": text})
 
@@ -502,24 +577,25 @@ class StreamParser:
         """Close the current call: JSON object arguments -> a call; anything else -> an error that
         keeps the call's raw text, so no half JSON is ever reported as a complete call."""
         c, self.call = self.call, None
-        reason = reason or c["bad"]
+        reason, args, raw = reason or c["bad"], "".join(c["args"]), self._close_record()
         if reason is None:
             try:
-                reason = None if isinstance(json.loads(c["args"]), dict) else "invalid_arguments"
-            except ValueError:
+                reason = None if isinstance(json.loads(args), dict) else "invalid_arguments"
+            except (ValueError, RecursionError):                 # deep nesting: not arguments we can use
                 reason = "invalid_arguments"
         if reason:
-            self._error(reason, self.text[c["start"]:], c["index"])
+            self._error(reason, raw, c["index"])
             return
-        call = {"name": c["name"], "arguments": c["args"]} | ({"unknown_tool": True} if c["unknown"] else {})
+        call = {"name": c["name"], "arguments": args} | ({"unknown_tool": True} if c["unknown"] else {})
         self.calls.append(call)
-        self.events.append({"type": "tool_call_done", "index": c["index"], "arguments": c["args"]})
+        self.events.append({"type": "tool_call_done", "index": c["index"], "arguments": args})
 
     # --- the machine ----------------------------------------------------------------------------
 
     def _run(self, final):
         step = self._step_v31 if self.fmt == "v32exp" else self._step_dsml
-        while self.buf and step(final):
+        # a pending gap is decided at the end even with nothing left to read
+        while (self.pos < len(self.buf) or final and self.gap_start is not None) and step(final):
             pass
 
     def _step_reasoning(self, final):  # shared: reasoning until </think>, then content
@@ -534,7 +610,7 @@ class StreamParser:
         i, mk = self._scan([EOS], final)
         text = self._take(i, "content")
         self._emit_text("content", text)
-        self.after += text
+        self.after.append(text)
         if mk is None:
             return False
         self._take(len(mk), "eos")
@@ -542,9 +618,9 @@ class StreamParser:
         return True
 
     def _flush_after(self):
-        if self.after:
-            self._error("text_after_calls", self.after)
-            self.after = ""
+        after, self.after = "".join(self.after), []
+        if after:
+            self._error("text_after_calls", after)
 
     # V3.1 / V3.2-Exp:  <｜tool▁calls▁begin｜> ( <｜tool▁call▁begin｜> NAME <｜tool▁sep｜> ARGS <｜tool▁call▁end｜> )+ <｜tool▁calls▁end｜>
     def _step_v31(self, final):
@@ -556,37 +632,37 @@ class StreamParser:
             if mk is None:
                 return False
             kind = {CALLS_BEGIN: "calls_begin", CALL_BEGIN: "call_begin", EOS: "eos"}[mk]
-            start = self.chars
-            self._take(len(mk), kind)
-            if mk == CALLS_BEGIN:
+            if mk == CALL_BEGIN:                                 # a call's raw text starts with its marker
+                self._open_record()
+                self.state, self.name = "name", []
+            elif mk == CALLS_BEGIN:
                 self.state = "calls"
-            elif mk == CALL_BEGIN:
-                self.state, self.name, self.name_start = "name", "", start
+            self._take(len(mk), kind)
             return True
         if s == "calls":                 # between calls
             mk = self._between([CALL_BEGIN, CALLS_END, EOS], final)
             if mk is None:
                 return False
-            start = self.chars
-            self._take(len(mk), {CALL_BEGIN: "call_begin", CALLS_END: "calls_end", EOS: "eos"}[mk])
             if mk == CALL_BEGIN:
-                self.state, self.name, self.name_start = "name", "", start
+                self._open_record()
+                self.state, self.name = "name", []
             elif mk == CALLS_END:
                 self.state = "after"
+            self._take(len(mk), {CALL_BEGIN: "call_begin", CALLS_END: "calls_end", EOS: "eos"}[mk])
             return True
         if s == "name":
             i, mk = self._scan([TOOL_SEP, CALL_END, CALL_BEGIN, CALLS_END, EOS], final)
-            self.name += self._take(i, "name")
+            self.name.append(self._take(i, "name"))
             if mk is None:
                 return False
             if mk == TOOL_SEP:
                 self._take(len(mk), "tool_sep")
-                self._start_call(self.name, self.name_start)
+                self._start_call("".join(self.name))
                 self.state = "args"
                 return True
             if mk == CALL_END:                                   # a call without <｜tool▁sep｜>
                 self._take(len(mk), "call_end")
-            self._error("malformed_call", self.text[self.name_start:])
+            self._error("malformed_call", self._close_record())
             self.state = "calls"
             return True
         if s == "args":
@@ -624,27 +700,27 @@ class StreamParser:
             mk = self._between([invoke, close_block, EOS], final)
             if mk is None:
                 return False
-            start = self.chars
-            self._take(len(mk), {invoke: "invoke_begin", close_block: "block_end", EOS: "eos"}[mk])
             if mk == invoke:
-                self.state, self.head, self.head_start = "invoke_head", "", start
+                self._open_record()
+                self.state, self.head = "invoke_head", []
             elif mk == close_block:
                 self.state = "after"
+            self._take(len(mk), {invoke: "invoke_begin", close_block: "block_end", EOS: "eos"}[mk])
             return True
         if s == "invoke_head":           # ` name="NAME">`, or self-closing `/>` for no arguments
             i, mk = self._scan(['">', '"/>', invoke_end, close_block, EOS], final)
-            self.head += self._take(i, "markup")
+            self.head.append(self._take(i, "markup"))
             if mk is None:
                 return False
             if mk not in ('">', '"/>'):                          # no end of the tag before the next marker
-                self._error("malformed_invoke", self.text[self.head_start:])
+                self._error("malformed_invoke", self._close_record())
                 self.state = "block"
                 if mk == invoke_end:
                     self._take(len(mk), "invoke_end")
                 return True
             self._take(len(mk), "markup")
-            m = re.fullmatch(r'\s*name="(.*)', self.head, re.DOTALL)
-            self._start_call(m.group(1) if m else "", self.head_start, None if m else "malformed_invoke")
+            m = re.fullmatch(r'\s*name="(.*)', "".join(self.head), re.DOTALL)
+            self._start_call(m.group(1) if m else "", None if m else "malformed_invoke")
             if mk == '"/>':
                 self._args("{}")
                 self._end_call()
@@ -658,7 +734,7 @@ class StreamParser:
                 return False
             if mk == param:
                 self._take(len(mk), "param_begin")
-                self.state, self.phead = "param_head", ""
+                self.state, self.phead = "param_head", []
             elif mk == invoke_end:
                 self._take(len(mk), "invoke_end")
                 self._args("}" if self.call["params"] else "{}")
@@ -670,13 +746,13 @@ class StreamParser:
             return True
         if s == "param_head":            # ` name="KEY" string="true|false">`
             i, mk = self._scan(['">', param_end, invoke_end, close_block, EOS], final)
-            self.phead += self._take(i, "markup")
+            self.phead.append(self._take(i, "markup"))
             if mk is None:
                 return False
-            m = re.fullmatch(r' name="(.*)" string="(true|false)', self.phead, re.DOTALL) if mk == '">' else None
+            m = re.fullmatch(r' name="(.*)" string="(true|false)', "".join(self.phead), re.DOTALL) if mk == '">' else None
             if mk == '">':
                 self._take(len(mk), "markup")
-                self.pkey, self.pstring, self.pvalue = (m.group(1), m.group(2) == "true", "") if m else (None, False, "")
+                self.pkey, self.pstring, self.pvalue = (m.group(1), m.group(2) == "true", []) if m else (None, False, [])
                 self.state = "param_value"
             else:
                 self.state = "invoke_body"
@@ -687,7 +763,7 @@ class StreamParser:
             return True
         if s == "param_value":
             i, mk = self._scan([param_end, invoke_end, close_block, EOS], final)
-            self.pvalue += self._take(i, "arguments")
+            self.pvalue.append(self._take(i, "arguments"))
             if mk is None:
                 return False
             if mk != param_end:                                  # the parameter never closed
@@ -696,6 +772,7 @@ class StreamParser:
                 return True
             self._take(len(mk), "param_end")
             if self.pkey is not None:
+                self.pvalue = "".join(self.pvalue)
                 if self.pkey in self.call["params"]:
                     self.call["bad"] = self.call["bad"] or "duplicate_parameter"
                 # the official decoding: strings JSON-quoted, other values verbatim (checked at the close)
@@ -709,13 +786,13 @@ class StreamParser:
         raise AssertionError(s)
 
     def _between_in_call(self, markers, final):  # inside an invoke: anything but whitespace spoils the call
-        i, mk = self._scan(markers, final)
-        if mk is None and not final:
+        got = self._gap(markers, final)
+        if got is None:
             return None
-        gap = self.buf[:i]
+        mk, gap = got
         if gap.strip():
             self.call["bad"] = self.call["bad"] or "malformed_invoke"
-        self._take(i, "error" if gap.strip() else "filler")
+        self._gap_span("error" if gap.strip() else "filler")
         return mk
 
     def _end_of_stream(self):
@@ -723,10 +800,8 @@ class StreamParser:
         A missing closing marker after complete calls is harmless and not reported."""
         if self.call is not None:
             self._end_call("unterminated_call")
-        elif self.state == "name":
-            self._error("unterminated_call", self.text[self.name_start:])
-        elif self.state == "invoke_head":
-            self._error("unterminated_call", self.text[self.head_start:])
+        elif self.state in ("name", "invoke_head"):                 # the call's name never completed
+            self._error("unterminated_call", self._close_record())
         self._flush_after()
 
 
@@ -737,10 +812,11 @@ def parse(completion, fmt="v32exp", prompt="", tools=None):
     of everything malformed."""
     p = StreamParser(fmt, prompt, tools)
     events = p.feed(completion) + p.finish()
-    text = {"reasoning": "", "content": ""}
+    text = {"reasoning": [], "content": []}
     for ev in events:
         if ev["type"] in text:
-            text[ev["type"]] += ev["text"]
+            text[ev["type"]].append(ev["text"])
+    text = {k: "".join(v) for k, v in text.items()}
     return {"reasoning": text["reasoning"] or None, "content": text["content"] or None, "tool_calls": p.calls,
             "finish_reason": p.finish_reason, "errors": p.errors, "spans": p.spans}
 

@@ -547,3 +547,88 @@ def test_markers_spelled_as_ordinary_pieces_are_markers(tok):
     chunks = [d.feed(i) for i in ids] + [d.flush()]
     assert "".join(chunks) == text
     assert stream(chunks, "v32exp", "")[2] == [{"name": "f", "arguments": '{"a": 1}'}]
+
+
+# -----------------------------------------------------------------------------
+# Linear work whatever the chunking; text that is not text, or nests too deep, raises nothing
+
+def long_texts(n):  # name -> (fmt, prompt, text of about n chars): each state of the machines held long
+    inv = f'<{DSML}invoke name="f">\n<{DSML}parameter name="k" string="true">'
+    return {
+        "content": ("v32exp", "", ("The quick fox, 東京 😀 <｜ " * n)[:n]),
+        "reasoning": ("dsml32", THINK_PROMPT, ("weigh <think> it\n\n" * n)[:n]),
+        "eos": ("v32exp", "", ("ab" + EOS) * (n // 24)),
+        "calls": ("v32exp", "", CALLS_BEGIN + (CALL_BEGIN + "f" + TOOL_SEP + '{"a": 1}' + CALL_END) * (n // 48)),
+        "dsml_calls": ("dsml4", "", dsml(*[invoke("f", ("k", "true", "v"))] * (n // 100), block="tool_calls")),
+        "arguments": ("v32exp", "", CALLS_BEGIN + CALL_BEGIN + "f" + TOOL_SEP + '{"a": "' + "x" * n),
+        "blank_gap": ("v32exp", "", CALLS_BEGIN + " " * n + CALLS_END),
+        "text_gap": ("dsml32", "", dsml("j " * (n // 2))),
+        "after": ("v32exp", "", v31(("f", "{}")) + "a" * n),
+        "name": ("v32exp", "", CALLS_BEGIN + CALL_BEGIN + "n" * n),
+        "invoke_head": ("dsml4", "", f"\n\n<{DSML}tool_calls>\n<{DSML}invoke name=\"" + "n" * n),
+        "invoke_body": ("dsml32", "", f"\n\n<{DSML}function_calls>\n<{DSML}invoke name=\"f\">" + " " * n),
+        "param_value": ("dsml4", "", f"\n\n<{DSML}tool_calls>\n" + inv + "v" * n),
+    }
+
+
+def parse_work(monkeypatch, fmt, prompt, text, size):
+    """Characters the parser copies or searches when fed `size` at a time: the buffer rebuilt per
+    feed, and each scan up to its marker (or the buffer's end)."""
+    work, scan = [0], chat.StreamParser._scan
+
+    def counted(self, markers, final):
+        i, mk = scan(self, markers, final)
+        work[0] += i + len(mk) if mk else len(self.buf) - self.pos
+        return i, mk
+    monkeypatch.setattr(chat.StreamParser, "_scan", counted)
+    p = chat.StreamParser(fmt, prompt)
+    for k in range(0, len(text), size):
+        chunk = text[k:k + size]
+        work[0] += len(p.buf) - p.pos + len(chunk)
+        p.feed(chunk)
+    p.finish()
+    return work[0]
+
+
+@pytest.mark.parametrize("name", list(long_texts(0)))
+def test_parsing_work_is_linear(monkeypatch, name):
+    # 10x the text: 10x the work, in 16-char chunks and in one piece (the old parser re-copied the
+    # whole history per chunk and re-searched the rest of a whole text per marker: 1 MB took 2 s)
+    for size in (16, 10 ** 7):
+        small, large = (parse_work(monkeypatch, *long_texts(n)[name], size) for n in (10_000, 100_000))
+        assert small < 10 * 10_000 and large < 10.5 * small, (size, small, large)
+
+
+@pytest.mark.parametrize("name", ["content", "reasoning", "eos", "calls", "dsml_calls"])
+def test_only_a_short_tail_is_kept_between_chunks(name):
+    def kept(x):  # chars of text held, through lists and dicts
+        if isinstance(x, str):
+            return len(x)
+        return sum(map(kept, x.values() if isinstance(x, dict) else x)) if isinstance(x, (list, dict)) else 0
+    fmt, prompt, text = long_texts(20_000)[name]
+    p = chat.StreamParser(fmt, prompt)
+    for k in range(0, len(text), 16):
+        p.feed(text[k:k + 16])
+        state = {a: v for a, v in vars(p).items() if a not in ("events", "spans", "calls", "errors")}
+        assert kept(state) < 500, (k, {a: kept(v) for a, v in state.items()})   # one small call at most
+
+
+def test_lone_surrogates_read_as_replacement_characters():
+    # a str with a lone surrogate is not text (no UTF-8): read as U+FFFD, one char and 3 bytes, never raised
+    r = chat.parse("a\ud800b" + v31(("f", '{"k": "\udfff"}')))
+    assert r["content"] == "a\ufffdb" and r["tool_calls"] == [{"name": "f", "arguments": '{"k": "\ufffd"}'}]
+    assert r["spans"][0] == {"kind": "content", "chars": (0, 3), "bytes": (0, 5)}
+    text = "x\ud83d\ude00y" + dsml(invoke("g\udc00", ("k", "true", "\ud800")))
+    whole = stream([text], "dsml32", "")[:4]
+    assert stream(list(text), "dsml32", "")[:4] == whole                         # a pair split or not: the same
+    assert whole[2] == [{"name": "g\ufffd", "arguments": '{"k": "\ufffd"}'}]
+    assert stream([text.encode("utf-8", "surrogatepass")], "dsml32", "")[0][0]["text"] == "x" + "\ufffd" * 6 + "y"
+    for fmt in chat.FORMATS:                                                    # the encoder's prompt is UTF-8 text
+        prompt = chat.encode([{"role": "user", "content": "\ud800"}, {"role": "assistant", "content": "\udfff",
+                              "tool_calls": [{"function": {"name": "f", "arguments": {"k": "\udbff"}}}]}], fmt=fmt)
+        assert "\ufffd" in prompt and prompt.encode("utf-8")
+
+
+def test_deeply_nested_arguments_are_invalid_not_a_crash():
+    r = chat.parse(v31(("f", "[" * 100_000)))                                   # json.loads: RecursionError
+    assert r["tool_calls"] == [] and [e["reason"] for e in r["errors"]] == ["invalid_arguments"]
