@@ -243,10 +243,10 @@ def main(argv=None):
     if a.verify:
         import verify
         try:
-            ok = verify.verify(a.ckpt, a.backend, a.device, a.numerics, a.verify_layers, a.record_golden)
+            verdict = verify.verify(a.ckpt, a.backend, a.device, a.numerics, a.verify_layers, a.record_golden)
         except (ValueError, FileNotFoundError) as e:
             raise SystemExit(f"error: {e}")
-        raise SystemExit(0 if ok else 1)
+        raise SystemExit(verdict)                         # 0 PASS, 1 FAIL, 3 nothing compared
     a.tool_list = load_tools(a.tools)
     a.chat_format = a.chat_format or chat.default_format(a.ckpt)
 
