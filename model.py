@@ -20,9 +20,11 @@ with ops.fuse_rows lays the linears that share an input out as row blocks of one
 Letters: B batch, T new tokens, S = start_pos + T keys, d hidden_size, V vocab_size.
 """
 import dataclasses
+import math
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from types import SimpleNamespace
+from types import NoneType, SimpleNamespace
 
 import numpy as np
 
@@ -63,7 +65,7 @@ class ModelArgs:
     index_topk: int = 2048                # k in Top-k(I_{t,:}) (index_topk)
     rms_norm_eps: float = 1e-6            # RMSNorm epsilon (hard-coded in the demo)
     rope_theta: float = 10000.0           # RoPE base (rope_theta)
-    rope_scaling: dict = field(default_factory=dict)   # YaRN: factor, original_max_position_embeddings, beta_*, mscale
+    rope_scaling: dict | None = field(default_factory=dict)   # YaRN: factor, original_max_position_embeddings, beta_*, mscale
     max_position_embeddings: int = 163840  # longest context the checkpoint claims
     quantization_config: dict | None = None   # fp8 e4m3, ue8m0 scales, 128x128 blocks
     bos_token_id: int = 0                 # <｜begin▁of▁sentence｜>
@@ -83,7 +85,7 @@ class ModelArgs:
     transformers_version: str = ""
     use_cache: bool = True
     # derived in __post_init__
-    max_seq_len: int = 0                  # this run's context (default max_position_embeddings)
+    max_seq_len: int | None = None        # this run's context (default max_position_embeddings)
     softmax_scale: float = 0.0            # d_qk^-0.5 * mscale^2 (with YaRN)
 
     REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
@@ -92,10 +94,15 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, cfg, where="config.json", **run):
-        """Build from a config.json dict; unknown keys are ignored, missing required keys named."""
+        """Build from a config.json dict; unknown keys are ignored, missing required keys named, every
+        known key's JSON type and range checked: whatever the JSON, only ValueError escapes."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {checkpoint.json_type(cfg)}")
         missing = [k for k in cls.REQUIRED if k not in cfg]
         if missing:
             raise ValueError(f"{where}: missing required field(s) {', '.join(missing)}")
+        if "max_seq_len" in run:                          # this run's option, not config.json's
+            _need("max_seq_len", run["max_seq_len"], (int,), low=1)
         known = {f.name for f in fields(cls)} - {"max_seq_len", "softmax_scale"}
         kw = {k: v for k, v in cfg.items() if k in known}
         try:
@@ -104,14 +111,29 @@ class ModelArgs:
             raise ValueError(f"{where}: {e}") from None
 
     def __post_init__(self):
-        ints = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
-                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
-                "index_head_dim", "index_topk", "intermediate_size", "moe_intermediate_size",
-                "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "max_position_embeddings")
-        for k in ints:
-            v = getattr(self, k)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{k} must be a positive integer, got {v!r}")
+        for f in fields(self):                                # JSON types, from the annotations above
+            _need(f.name, getattr(self, f.name), typing.get_args(f.type) or (f.type,))
+        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
+                    "index_head_dim", "index_topk", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                    "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group", "max_position_embeddings")
+        for k in positive:
+            _need(k, getattr(self, k), (int,), low=1)
+        for k in ("first_k_dense_replace", "bos_token_id", "eos_token_id", "num_nextn_predict_layers"):
+            _need(k, getattr(self, k), (int,), low=0)
+        for k in ("routed_scaling_factor", "rms_norm_eps"):
+            _need(k, getattr(self, k), (float,), low=0, strict=True)
+        _need("rope_theta", self.rope_theta, (float,), low=1, strict=True)    # log(theta) divides in YaRN
+        self.rope_scaling = {} if self.rope_scaling is None else self.rope_scaling   # HF writes null for none
+        for k, t, low in (("factor", float, 0), ("original_max_position_embeddings", int, 1), ("beta_fast", float, 0),
+                          ("beta_slow", float, 0), ("mscale", float, None), ("mscale_all_dim", float, None),
+                          ("type", str, None), ("rope_type", str, None)):
+            if k in self.rope_scaling:
+                _need(f"rope_scaling.{k}", self.rope_scaling[k], (t,), low, strict=t is float)
+        for k, t in (("quant_method", str), ("fmt", str), ("scale_fmt", str), ("activation_scheme", str),
+                     ("weight_block_size", list)):
+            if k in (self.quantization_config or {}):
+                _need(f"quantization_config.{k}", self.quantization_config[k], (t,))
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
             raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and fit in index_head_dim")
         if self.index_head_dim & (self.index_head_dim - 1) or self.index_head_dim % quant.BLOCK:
@@ -135,9 +157,9 @@ class ModelArgs:
             raise ValueError(f"scoring_func {self.scoring_func!r} is not sigmoid or softmax")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise ValueError(f"first_k_dense_replace {self.first_k_dense_replace} is outside 0..num_hidden_layers")
-        self.max_seq_len = self.max_seq_len or self.max_position_embeddings
-        if self.max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
+        if self.max_seq_len is None:                      # not 0: an explicit 0 is an error, not the default
+            self.max_seq_len = self.max_position_embeddings
+        _need("max_seq_len", self.max_seq_len, (int,), low=1)
         self.softmax_scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
         if self.yarn_active:
             m = rope.yarn_mscale(self.rope_factor, self.rope_scaling.get("mscale", 1.0))
@@ -162,33 +184,62 @@ class ModelArgs:
         return q.get("quant_method") == "fp8"
 
 
+MAX_INT = 2 ** 63 - 1       # an int64: every integer the model computes with fits NumPy's int64 and a float
+
+
+def _need(name, v, types, low=None, strict=False):  # one config value: JSON type(s), finite, optional bound
+    def fits(t):
+        if t is NoneType:
+            return v is None
+        if t in (int, float) and isinstance(v, int) and not isinstance(v, bool):   # JSON true is a Python int
+            return -MAX_INT <= v <= MAX_INT
+        return t is float and isinstance(v, float) and math.isfinite(v) or t not in (int, float) and isinstance(v, t)
+    if any(fits(t) for t in types) and (low is None or v is None or (v > low if strict else v >= low)):
+        return
+    words = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string",
+             dict: "an object", list: "an array", NoneType: "null"}
+    want = " or ".join(words[t] for t in types)
+    if low is not None:
+        want = {(int, 1): "a positive integer", (int, 0): "a non-negative integer"}.get(
+            (types[0], low), f"{want} {'>' if strict else '>='} {low}")
+    raise ValueError(f"{name} must be {want}, got {checkpoint.json_type(v)} {repr(v)[:60]}")
+
+
 # -----------------------------------------------------------------------------
 # Weights: the checkpoint's tensors under the official short names, FP8 kept as codes + scales
+
+# The dtypes the format stores (spec/dsv32.md §2.1), checked as each tensor is opened; lenient only
+# where real checkpoints differ: norms (and biases) F32 in the listing but bf16 in one official note,
+# the FP8 linears BF16 in the official fp8_cast_bf16.py conversion (no scales then).
+NORM = ("F32", "BF16")
+LINEAR = ("F8_E4M3", "BF16")             # FP8 with its F32 weight_scale_inv (Checkpoint.weight), or BF16
+PLAIN = ("BF16",)                        # never quantized: embedding, head, router gate, indexer weights_proj
+
 
 def load_layer(ck, i, args):  # -> nested dict of quant.Weight / float32 arrays for layer i
     pre = f"model.layers.{i}."
     a = pre + "self_attn."
 
     def vec(name):
-        return np.asarray(ck.get(name), np.float32)
+        return np.asarray(ck.get(name, NORM), np.float32)
 
-    attn = {k: ck.weight(a + hf) for k, hf in (("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"),
-                                                  ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"),
-                                                  ("wo", "o_proj"))}
+    attn = {k: ck.weight(a + hf, LINEAR) for k, hf in (("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"),
+                                                          ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"),
+                                                          ("wo", "o_proj"))}
     attn["q_norm"], attn["kv_norm"] = vec(a + "q_a_layernorm.weight"), vec(a + "kv_a_layernorm.weight")
-    attn["indexer"] = {"wq_b": ck.weight(a + "indexer.wq_b"), "wk": ck.weight(a + "indexer.wk"),
+    attn["indexer"] = {"wq_b": ck.weight(a + "indexer.wq_b", LINEAR), "wk": ck.weight(a + "indexer.wk", LINEAR),
                        "k_norm": vec(a + "indexer.k_norm.weight"), "k_norm_bias": vec(a + "indexer.k_norm.bias"),
-                       "weights_proj": ck.weight(a + "indexer.weights_proj")}
+                       "weights_proj": ck.weight(a + "indexer.weights_proj", PLAIN)}
     m = pre + "mlp."
 
     def mlp(prefix):
-        return {"w1": ck.weight(prefix + "gate_proj"), "w2": ck.weight(prefix + "down_proj"),
-                "w3": ck.weight(prefix + "up_proj")}
+        return {"w1": ck.weight(prefix + "gate_proj", LINEAR), "w2": ck.weight(prefix + "down_proj", LINEAR),
+                "w3": ck.weight(prefix + "up_proj", LINEAR)}
 
     if i < args.first_k_dense_replace:
         ffn = mlp(m)
     else:
-        ffn = {"gate": ck.weight(m + "gate"),
+        ffn = {"gate": ck.weight(m + "gate", PLAIN),
                "experts": [mlp(m + f"experts.{e}.") for e in range(args.n_routed_experts)],
                "shared_experts": mlp(m + "shared_experts.")}
         if args.topk_method == "noaux_tc":                              # bias-corrected choice
@@ -404,12 +455,12 @@ class Transformer:
             ops = parallel.wrap(ops)
         ck = checkpoint.Checkpoint(path)
         args = ModelArgs.from_config(ck.config, where=str(Path(path) / "config.json"),
-                                     **({"max_seq_len": max_seq_len} if max_seq_len else {}))
+                                     **({"max_seq_len": max_seq_len} if max_seq_len is not None else {}))
         if n_layers is not None and n_layers < args.num_hidden_layers:   # only the first n layers (--verify-layers)
             args = dataclasses.replace(args, num_hidden_layers=n_layers,
                                        first_k_dense_replace=min(args.first_k_dense_replace, n_layers))
-        weights = {"embed": ck.get("model.embed_tokens.weight"), "norm": np.asarray(ck.get("model.norm.weight"), np.float32),
-                   "head": ck.get("lm_head.weight"),
+        weights = {"embed": ck.get("model.embed_tokens.weight", PLAIN),
+                   "norm": np.asarray(ck.get("model.norm.weight", NORM), np.float32), "head": ck.get("lm_head.weight", PLAIN),
                    "layers": [load_layer(ck, i, args) for i in range(args.num_hidden_layers)]}  # MTP layer skipped
         check_shapes(weights, args, path)
         if parallel is not None:                         # this rank's slices of the memory-mapped arrays
@@ -438,9 +489,15 @@ class Transformer:
         return LayerCache(B, self.args, o.indexer_fp8, o.ops, o.fused, o.official)
 
     def _check_tokens(self, tokens, start_pos):
-        tokens = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)   # a torch tensor too
-        if tokens.ndim != 2 or tokens.shape[1] == 0:
-            raise ValueError(f"tokens must be a [batch, seq] integer array with seq >= 1, got shape {tokens.shape}")
+        if not isinstance(start_pos, (int, np.integer)) or isinstance(start_pos, (bool, np.bool_)):
+            raise ValueError(f"start_pos must be an integer, got {type(start_pos).__name__} {start_pos!r}")
+        start_pos = int(start_pos)
+        try:
+            tokens = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)   # a torch tensor too
+        except ValueError:                                                  # ragged nested lists
+            raise ValueError("tokens must be a [batch, seq] integer array; rows of different lengths given") from None
+        if tokens.ndim != 2 or 0 in tokens.shape:
+            raise ValueError(f"tokens must be a [batch, seq] integer array with batch, seq >= 1, got shape {tokens.shape}")
         if not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
         bad = (tokens < 0) | (tokens >= self.args.vocab_size)
@@ -453,13 +510,13 @@ class Transformer:
             raise ValueError(f"batch {B} differs from the cached batch {self.caches[0].B}")
         if start_pos + T > self.args.max_seq_len:
             raise ValueError(f"start_pos {start_pos} + {T} tokens exceeds max_seq_len {self.args.max_seq_len}")
-        return tokens.astype(np.int64)
+        return tokens.astype(np.int64), start_pos
 
     def forward(self, tokens, start_pos=0, all_positions=False, record=None):
         """tokens [B, T] -> logits [B, V] of the last position (or [B, T, V]); continues the caches
         when start_pos > 0 (one token: decode; several: a prefill chunk). record: a dict that
         receives each layer's output ("hidden") and indexer selection ("selected"), for --verify."""
-        tokens = self._check_tokens(tokens, start_pos)
+        tokens, start_pos = self._check_tokens(tokens, start_pos)
         B, T = tokens.shape
         a, o, ops = self.args, self.opts, self.opts.ops
         if start_pos == 0 and not (self.caches and self.caches[0].B == B):

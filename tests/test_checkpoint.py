@@ -2,6 +2,8 @@
 the name table, and clear errors (nothing half-written) on broken checkpoints."""
 import json
 import struct
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -13,6 +15,7 @@ from safetensors.torch import load_file, save_file
 import checkpoint
 import quant
 from checkpoint import CheckpointError
+from conftest import ROOT
 from model import Transformer
 
 
@@ -174,3 +177,156 @@ def test_torch_weight_quant_equals_numpy():
     qr, sr = quant.weight_quant(w)
     np.testing.assert_array_equal(s.numpy(), sr)
     np.testing.assert_array_equal(q.view(torch.uint8).numpy(), qr.view(np.uint8))
+
+
+# -----------------------------------------------------------------------------
+# The builder never replaces what it did not write; the write stays atomic
+
+def test_builder_refuses_a_folder_it_did_not_write(tmp_path):
+    cfg = checkpoint.tiny_config(num_hidden_layers=1)
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "precious.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"mine is a non-empty folder that checkpoint.py did not write"):
+        checkpoint.write_checkpoint(mine, cfg, {})
+    assert (mine / "precious.txt").read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="is not a folder"):
+        checkpoint.write_checkpoint(tmp_path / "file", cfg, {})
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    checkpoint.write_checkpoint(empty, cfg, checkpoint.random_weights(cfg))            # an empty folder is fine
+    assert (empty / checkpoint.MARKER).is_file()
+    (empty / "stale.txt").write_text("from an earlier build")
+    checkpoint.write_checkpoint(empty, cfg, checkpoint.random_weights(cfg))            # marked: replaced whole
+    assert not (empty / "stale.txt").exists() and (empty / "config.json").is_file()
+
+
+def test_builder_replaces_a_build_from_before_the_marker(tmp_path):
+    # tiny-v32 folders built before the marker existed hold only the builder's own file names
+    cfg = checkpoint.tiny_config(num_hidden_layers=1)
+
+    def old_build(name):
+        out = checkpoint.write_checkpoint(tmp_path / name, cfg, checkpoint.random_weights(cfg))
+        (out / checkpoint.MARKER).unlink()
+        return out
+    old = old_build("old")
+    (old / "config.json").unlink()                      # what makes setup.sh rebuild it
+    checkpoint.write_checkpoint(old, cfg, checkpoint.random_weights(cfg))
+    assert (old / checkpoint.MARKER).is_file()
+    for extra, text in (("README.md", "mine"), ("config.json", '{"model_type": "llama"}')):
+        other = old_build(extra)                        # + a file the builder never writes, or another model
+        (other / extra).write_text(text)
+        with pytest.raises(FileExistsError, match="did not write"):
+            checkpoint.write_checkpoint(other, cfg, {})
+        assert (other / extra).read_text() == text
+
+
+def test_builder_cli_refuses_in_one_line(tmp_path):
+    (tmp_path / "precious.txt").write_text("keep me")
+    r = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), ".", "--no-tokenizer"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [f"error: {tmp_path} is a non-empty folder that checkpoint.py did not "
+                                             f"write (no {checkpoint.MARKER} in it); refusing to replace it: choose "
+                                             "a new or empty folder, or delete it yourself"]
+    assert [p.name for p in tmp_path.iterdir()] == ["precious.txt"]
+
+
+@pytest.mark.parametrize("when", ["writing", "between the renames"])
+def test_interrupted_rebuild_keeps_the_old_folder(tmp_path, monkeypatch, when):
+    cfg = checkpoint.tiny_config(num_hidden_layers=1)
+    out = checkpoint.write_checkpoint(tmp_path / "ck", cfg, checkpoint.random_weights(cfg, 1))
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    if when == "writing":
+        monkeypatch.setattr(checkpoint, "save_safetensors", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    else:
+        real, calls = checkpoint.os.replace, []
+
+        def replace(a, b):                              # the old folder moved aside, then Ctrl-C
+            calls.append(a)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            real(a, b)
+        monkeypatch.setattr(checkpoint.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.write_checkpoint(out, cfg, checkpoint.random_weights(cfg, 2))
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]                        # no temporary folder left
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+
+# -----------------------------------------------------------------------------
+# dtypes checked against the format at load, as shapes are
+
+@pytest.mark.parametrize("tensor, dtype, expected", [
+    ("model.norm.weight", "I32", "F32 or BF16"),
+    ("model.layers.0.self_attn.q_a_proj.weight", "U8", "F8_E4M3 or BF16"),
+    ("model.layers.1.mlp.experts.3.down_proj.weight", "I8", "F8_E4M3 or BF16"),
+    ("model.layers.0.self_attn.q_a_proj.weight_scale_inv", "I32", "F32"),
+    ("model.embed_tokens.weight", "F16", "BF16"),
+    ("model.layers.1.mlp.gate.weight", "F16", "BF16"),
+    ("model.layers.0.self_attn.indexer.weights_proj.weight", "F16", "BF16"),
+    ("model.layers.1.mlp.gate.e_score_correction_bias", "I32", "F32 or BF16"),
+    ("model.layers.0.self_attn.indexer.k_norm.bias", "I32", "F32 or BF16"),
+])
+def test_dtype_that_is_not_the_formats(small, tensor, dtype, expected):
+    f = shard_of(small, tensor)
+    rewrite_header(f, lambda h: h[tensor].update(dtype=dtype))                  # same bytes, another type
+    with pytest.raises(CheckpointError) as e:
+        Transformer.from_pretrained(small)
+    assert str(e.value) == f"{f}: tensor {tensor!r} is {dtype}, expected {expected}"
+
+
+# -----------------------------------------------------------------------------
+# Hostile headers: CheckpointError naming the file, whatever the JSON
+
+def entry(**kw):
+    return {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]} | kw
+
+
+@pytest.mark.parametrize("header, message", [
+    (b"[" * 100_000 + b"]" * 100_000, "RecursionError"),                        # nesting past Python's stack
+    (b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 8]}}', "ValueError"),   # digits
+    (json.dumps({"a": entry(dtype=["F32"])}).encode(), "unknown dtype"),
+    (json.dumps({"a": entry(dtype={"F32": 1})}).encode(), "unknown dtype"),
+    (json.dumps({"a": entry(shape=[True, True], data_offsets=[0, 4])}).encode(), "bad shape"),
+    (json.dumps({"a": entry(shape=[0, 2 ** 64], data_offsets=[0, 0])}).encode(), "bad shape"),
+    (json.dumps({"a": entry(shape=[2 ** 40] * 2, data_offsets=[0, 0])}).encode(), "bad shape"),
+    (json.dumps({"a": entry(shape=[1] * 40, data_offsets=[0, 4])}).encode(), "bad shape"),
+    (json.dumps({"a": entry(data_offsets=[False, 8])}).encode(), "bad data_offsets"),
+    (json.dumps({"a": entry(data_offsets=[0, 8.0])}).encode(), "bad data_offsets"),
+    (json.dumps({"a": "F32"}).encode(), "entry needs dtype"),
+    (b"[1, 2]", "not a JSON object"),
+    (b"\xff\xfe", "not valid JSON"),
+])
+def test_hostile_header(tmp_path, header, message):
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(CheckpointError, match=message) as e:
+        checkpoint.read_header(f)
+    assert str(e.value).startswith(f"{f}: ") and len(str(e.value)) < 300
+
+
+def test_header_length_is_capped(tmp_path):
+    f = tmp_path / "big.safetensors"
+    with open(f, "wb") as out:                          # a sparse file: the length fits, the cap does not
+        out.write(struct.pack("<Q", checkpoint.MAX_HEADER + 1))
+        out.truncate(checkpoint.MAX_HEADER + 100)
+    with pytest.raises(CheckpointError, match=f"{f}: header length 100000001 exceeds the 100000000-byte limit"):
+        checkpoint.read_header(f)
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("config.json", "[]", "config.json: expected a JSON object, got an array"),
+    ("config.json", "3", "config.json: expected a JSON object, got an integer"),
+    ("config.json", '"x"', "config.json: expected a JSON object, got a string"),
+    ("config.json", "[" * 100_000, "config.json: JSON that cannot be read"),
+    ("config.json", "\xff", "config.json: not valid JSON"),
+    ("model.safetensors.index.json", '{"weight_map": {"a": 3}}', "index.json: needs a JSON object with a weight_map"),
+    ("model.safetensors.index.json", "[]", "index.json: needs a JSON object with a weight_map"),
+])
+def test_config_and_index_that_are_not_objects(small, name, text, message):
+    (small / name).write_text(text, encoding="latin-1")
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint.Checkpoint(small)

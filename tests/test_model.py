@@ -1,5 +1,7 @@
 """model.py: decode step by step and prefill in chunks equal one prefill; ModelArgs from real and
 broken configs; clear errors on bad input."""
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -47,6 +49,26 @@ def test_real_config_loads_unchanged():
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings"),
     ({"topk_method": "aux"}, "topk_method"),
+    ({"rope_scaling": "yarn"}, "rope_scaling must be an object or null, got a string 'yarn'"),
+    ({"rope_theta": "10000"}, "rope_theta must be a finite number, got a string '10000'"),
+    ({"rope_theta": 1}, "rope_theta must be a finite number > 1, got an integer 1"),
+    ({"hidden_size": True}, "hidden_size must be an integer, got true"),
+    ({"hidden_size": 7168.0}, "hidden_size must be an integer, got a number 7168.0"),
+    ({"vocab_size": 2 ** 70}, "vocab_size must be an integer, got an integer"),
+    ({"n_shared_experts": 0}, "n_shared_experts must be a positive integer, got an integer 0"),
+    ({"eos_token_id": [1, 2]}, "eos_token_id must be an integer, got an array"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number, got a number nan"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps must be a finite number > 0"),
+    ({"routed_scaling_factor": {}}, "routed_scaling_factor must be a finite number, got an object {}"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false, got a string"),
+    ({"scoring_func": 1}, "scoring_func must be a string, got an integer 1"),
+    ({"quantization_config": []}, "quantization_config must be an object or null, got an array"),
+    ({"quantization_config": {"weight_block_size": 128}}, "quantization_config.weight_block_size must be an array"),
+    ({"architectures": "x"}, "architectures must be an array, got a string"),
+    ({"rope_scaling": {"factor": "40", "type": "yarn"}}, "rope_scaling.factor must be a finite number > 0, got a string"),
+    ({"rope_scaling": {"beta_fast": 0, "type": "yarn"}}, "rope_scaling.beta_fast must be a finite number > 0"),
+    ({"rope_scaling": {"original_max_position_embeddings": 4096.5}}, "rope_scaling.original_max_position_embeddings must be a positive integer"),
+    ({"rope_scaling": {"type": ["yarn"]}}, "rope_scaling.type must be a string, got an array"),
 ])
 def test_bad_configs_are_named(change, message):
     cfg = dict(REAL_CONFIG)
@@ -55,8 +77,43 @@ def test_bad_configs_are_named(change, message):
             del cfg[k]
         else:
             cfg[k] = v
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match="^config.json: " + re.escape(message)):
         ModelArgs.from_config(cfg)
+
+
+@pytest.mark.parametrize("cfg, got", [([], "an array"), (3, "an integer"), ("x", "a string"), (None, "null")])
+def test_config_that_is_not_an_object(cfg, got):
+    with pytest.raises(ValueError, match=f"^c.json: expected a JSON object, got {got}$"):
+        ModelArgs.from_config(cfg, where="c.json")
+
+
+def test_max_seq_len_zero_is_an_error():
+    for bad, got in ((0, "an integer 0"), (-5, "an integer -5"), (8.0, "a number 8.0"), ("8", "a string '8'")):
+        with pytest.raises(ValueError, match=f"^max_seq_len must be a positive integer, got {got}$"):
+            ModelArgs.from_config(REAL_CONFIG, max_seq_len=bad)
+    assert ModelArgs.from_config(REAL_CONFIG).max_seq_len == 163840                 # absent: the config's
+    assert ModelArgs.from_config({**REAL_CONFIG, "rope_scaling": None}).rope_scaling == {}   # HF's null
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.integers(-2 ** 80, 2 ** 80) | st.floats()
+                    | st.text(max_size=4),
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                    max_leaves=8)
+
+
+@given(st.dictionaries(st.sampled_from(sorted(REAL_CONFIG) + ["max_seq_len"]), JSON, max_size=3),
+       st.dictionaries(st.sampled_from(["factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                                        "mscale", "type"]), JSON, max_size=2), JSON)
+def test_any_json_config_gives_only_value_error(change, rope_change, whole):
+    # the fuzzer's contract: whatever config.json holds, from_config builds or raises ValueError
+    cfg = {**REAL_CONFIG, **change}
+    if isinstance(cfg["rope_scaling"], dict):
+        cfg["rope_scaling"] = {**cfg["rope_scaling"], **rope_change}
+    for c in (cfg, whole):
+        try:
+            ModelArgs.from_config(c)
+        except ValueError:
+            pass
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +189,20 @@ def test_bad_input_is_named(ckpt, exact):
         exact.forward([[1], [2]], start_pos=3)
     with pytest.raises(ValueError, match="exceeds max_seq_len 256"):
         exact.forward(np.zeros((1, 257), int))
+    for pos, got in ((3.0, "float 3.0"), (True, "bool True"), ("3", "str '3'"), (None, "NoneType None")):
+        with pytest.raises(ValueError, match=f"start_pos must be an integer, got {got}"):
+            exact.forward([[1]], start_pos=pos)
+    assert exact.forward([[1]], start_pos=np.int64(3)).shape == (1, 2048)       # NumPy integers are fine
+    with pytest.raises(ValueError, match="start_pos -1 is outside 0..4"):
+        exact.forward([[1]], start_pos=-1)
+    with pytest.raises(ValueError, match="rows of different lengths"):
+        exact.forward([[1, 2], [3]])
+    with pytest.raises(ValueError, match=r"batch, seq >= 1, got shape \(0, 3\)"):
+        exact.forward(np.zeros((0, 3), int))
+    with pytest.raises(ValueError, match="integers, got dtype bool"):
+        exact.forward([[True]])
+    with pytest.raises(ValueError, match="max_seq_len must be a positive integer, got an integer 0"):
+        Transformer.from_pretrained(ckpt, max_seq_len=0)
     with pytest.raises(ValueError, match="numerics"):
         Transformer.from_pretrained(ckpt, numerics="fast")
     with pytest.raises(ValueError, match="backend must be"):
