@@ -164,6 +164,9 @@ class ModelArgs:
         if self.yarn_active:
             m = rope.yarn_mscale(self.rope_factor, self.rope_scaling.get("mscale", 1.0))
             self.softmax_scale *= m * m                                   # mscale enters squared
+            if not (math.isfinite(self.softmax_scale) and self.softmax_scale > 0):
+                raise ValueError(f"rope_scaling.mscale {self.rope_scaling.get('mscale', 1.0)!r} with factor "
+                                 f"{self.rope_factor} gives softmax scale {self.softmax_scale}, not a positive number")
 
     @property
     def original_seq_len(self):

@@ -69,6 +69,9 @@ def test_real_config_loads_unchanged():
     ({"rope_scaling": {"beta_fast": 0, "type": "yarn"}}, "rope_scaling.beta_fast must be a finite number > 0"),
     ({"rope_scaling": {"original_max_position_embeddings": 4096.5}}, "rope_scaling.original_max_position_embeddings must be a positive integer"),
     ({"rope_scaling": {"type": ["yarn"]}}, "rope_scaling.type must be a string, got an array"),
+    ({"rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1e308, "original_max_position_embeddings": 4096}},
+     "rope_scaling.mscale 1e+308 with factor 40.0 "
+     "gives softmax scale inf, not a positive"),
 ])
 def test_bad_configs_are_named(change, message):
     cfg = dict(REAL_CONFIG)
@@ -111,9 +114,10 @@ def test_any_json_config_gives_only_value_error(change, rope_change, whole):
         cfg["rope_scaling"] = {**cfg["rope_scaling"], **rope_change}
     for c in (cfg, whole):
         try:
-            ModelArgs.from_config(c)
+            a = ModelArgs.from_config(c)
         except ValueError:
-            pass
+            continue
+        assert np.isfinite(a.softmax_scale) and a.softmax_scale > 0
 
 
 @pytest.fixture(scope="module")
