@@ -809,7 +809,8 @@ def parse(completion, fmt="v32exp", prompt="", tools=None):
     """A whole completion -> {"reasoning", "content", "tool_calls", "finish_reason", "errors", "spans"}.
     Text fields are None when empty; tool_calls holds the calls with valid JSON object arguments
     (flagged "unknown_tool" when a tool list is given and lacks the name); errors keeps the raw text
-    of everything malformed."""
+    of everything malformed. Raises on no completion: text that is not text (a lone surrogate) reads
+    as U+FFFD, as in StreamParser."""
     p = StreamParser(fmt, prompt, tools)
     events = p.feed(completion) + p.finish()
     text = {"reasoning": [], "content": []}
