@@ -63,8 +63,10 @@ def parse_json(data, where, what=""):  # bytes -> value; CheckpointError naming 
         return json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{where}: {what}not valid JSON ({e})") from None
-    except (RecursionError, ValueError) as e:      # nesting too deep; an integer past Python's digit limit
-        raise CheckpointError(f"{where}: {what}JSON that cannot be read ({type(e).__name__}: {str(e)[:80]})") from None
+    except RecursionError:
+        raise CheckpointError(f"{where}: {what}JSON nested too deeply to read") from None
+    except ValueError as e:                        # an integer past Python's digit limit
+        raise CheckpointError(f"{where}: {what}JSON that cannot be read ({e})") from None
 
 
 def read_json(path):

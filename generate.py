@@ -15,7 +15,10 @@ conversation and prefills only the new tokens (a prefill chunk at start_pos > 0)
 """
 import argparse
 import json
+import math
+import numbers
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -23,15 +26,32 @@ from pathlib import Path
 import numpy as np
 
 import chat
-from model import Transformer
+import checkpoint
+from checkpoint import CheckpointError
+from model import LoadError, Transformer
+
+# what bad input raises: main prints it as one line, "error: ...", exit status 2 (--debug: the traceback)
+USER_ERRORS = (ValueError, OSError, LoadError)
 
 
-def load_tokenizer(ckpt):
+def load_tokenizer(ckpt):  # tokenizer.json; tokenizer_config.json checked for chat.default_format
     from tokenizers import Tokenizer
     path = Path(ckpt) / "tokenizer.json"
     if not path.is_file():
-        raise SystemExit(f"error: {path} is missing: this checkpoint has no tokenizer, so text cannot be encoded")
-    return Tokenizer.from_file(str(path))
+        raise FileNotFoundError(f"{path} is missing: this checkpoint has no tokenizer, so text cannot be encoded")
+    config = path.with_name("tokenizer_config.json")
+    if config.is_file() and not isinstance(checkpoint.read_json(config), dict):
+        raise CheckpointError(f"{config}: expected a JSON object")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:                               # tokenizers raises a bare Exception
+        raise CheckpointError(f"{path}: not a tokenizer the tokenizers library can read "
+                              f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
+
+
+def check_temperature(temperature, name="temperature"):  # NaN would pick token 0 forever, -1 be greedy silently
+    if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"{name} {temperature}: must be a finite number >= 0 (0 is greedy)")
 
 
 def sample(logits, temperature, rng):  # [B, V] f32 -> [B] int
@@ -93,6 +113,7 @@ def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, 
     """prompts: lists of token ids -> (completions, stats). reuse > 0 (batch of one): the model's
     caches already hold prompts[0][:reuse], so only the rest is prefilled (a chunk at start_pos=reuse).
     On a CUDA device the decode steps replay one captured CUDA graph (cuda_graph=False: plain steps)."""
+    check_temperature(temperature)
     rng = rng or np.random.default_rng(0)
     B = len(prompts)
     lens = [len(p) for p in prompts]
@@ -160,19 +181,59 @@ def report(stats, err=sys.stderr):
           file=err)
 
 
-def load_tools(path):  # an OpenAI-style JSON tool list
+def load_tools(path):  # an OpenAI-style JSON tool list, in the shape chat.py's tool blocks read
+    """[{"type": "function", "function": {"name": str, "description"?: str, "parameters"?: object}}, ...],
+    or the bare function objects; anything else is a ValueError naming the file and the tool."""
     if path is None:
         return None
     p = Path(path)
     if not p.is_file():
-        raise SystemExit(f"error: --tools {p}: no such file")
+        raise FileNotFoundError(f"--tools {p}: no such file")
     try:
-        tools = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"error: --tools {p}: not valid JSON ({e})")
-    if not isinstance(tools, list) or not all(isinstance(t, dict) and "name" in t.get("function", t) for t in tools):
-        raise SystemExit(f"error: --tools {p}: expected a JSON list of tools, each with a function name")
+        tools = checkpoint.read_json(p)
+    except CheckpointError as e:
+        raise ValueError(f"--tools {e}") from None
+    if not isinstance(tools, list):
+        raise ValueError(f"--tools {p}: expected a JSON list of tools, each with a function name; "
+                         f"got {checkpoint.json_type(tools)}")
+    for i, t in enumerate(tools):
+        where = f"--tools {p}: tool {i}"
+        if not isinstance(t, dict):
+            raise ValueError(f"{where}: expected an object, got {checkpoint.json_type(t)}")
+        if "function" in t and t.get("type", "function") != "function":
+            raise ValueError(f"{where}: type {t['type']!r} is not \"function\"")
+        f = t.get("function", t)
+        if not isinstance(f, dict):
+            raise ValueError(f"{where}: \"function\" must be an object, got {checkpoint.json_type(f)}")
+        if not (isinstance(f.get("name"), str) and f["name"]):
+            raise ValueError(f"{where}: name must be a non-empty string, got {checkpoint.json_type(f.get('name'))}")
+        if not isinstance(f.get("description", ""), (str, type(None))):    # null: no description line
+            raise ValueError(f"{where} ({f['name']}): description must be a string, "
+                             f"got {checkpoint.json_type(f['description'])}")
+        if not isinstance(f.get("parameters", {}), dict):
+            raise ValueError(f"{where} ({f['name']}): parameters must be an object (a JSON schema), "
+                             f"got {checkpoint.json_type(f['parameters'])}")
     return tools
+
+
+def resolve_device(backend, device):  # --backend and --device -> the torch device string (None for NumPy)
+    if device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"--device {device}: expected cpu, cuda or cuda:N")
+    if backend == "numpy":
+        if device not in (None, "cpu"):
+            raise ValueError(f"--device {device} needs --backend torch (the NumPy reference runs on the CPU)")
+        return device
+    try:
+        import torch
+    except ImportError:
+        raise ValueError("--backend torch needs PyTorch, which is not installed here (pip install torch)") from None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device is None:
+        return "cuda" if gpus else "cpu"
+    if device != "cpu" and int(device.partition(":")[2] or 0) >= gpus:    # caught here, not as a traceback later
+        raise ValueError(f"--device {device}: " + (f"this host has {gpus} GPU(s), cuda:0 to cuda:{gpus - 1}" if gpus
+                                                   else "no GPU is visible here (use --device cpu)"))
+    return device
 
 
 def user_turn(tok, text, a):  # one user turn (or the raw text) -> (prompt text, token ids)
@@ -182,7 +243,11 @@ def user_turn(tok, text, a):  # one user turn (or the raw text) -> (prompt text,
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit status: 0 done; 2 bad input (flags, files, checkpoint), reported on one line 'error: ...' "
+               "(--debug shows the traceback instead; argparse's own usage errors are 2 as well); 130 interrupted "
+               "(Ctrl-C); with --verify: 0 pass, 1 fail (or its own error), 3 nothing compared.")
     ap.add_argument("--ckpt", required=True, help="checkpoint folder: config.json, safetensors shards + index, tokenizer.json")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt (a single user turn unless --raw)")
@@ -214,32 +279,44 @@ def main(argv=None):
     ap.add_argument("--record-golden", action="store_true", help="--verify: record this combination's golden outputs")
     ap.add_argument("--max-seq-len", type=int, default=None,
                     help="context length for caches and YaRN (default: the config's max_position_embeddings)")
+    ap.add_argument("--debug", action="store_true", help="on an error, show the Python traceback, not one line")
     a = ap.parse_args(argv)
+    try:
+        run(ap, a)
+    except KeyboardInterrupt:                             # Ctrl-C while loading, generating or at the prompt
+        if a.debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except USER_ERRORS as e:
+        if a.debug:
+            raise
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run(ap, a):  # main's work once the flags are parsed; bad input raises one of USER_ERRORS
     if a.max_new_tokens < 1:
-        ap.error("--max-new-tokens must be at least 1")
+        raise ValueError(f"--max-new-tokens {a.max_new_tokens}: must be at least 1")
     if a.max_seq_len is not None and a.max_seq_len < 1:
-        ap.error("--max-seq-len must be positive")
+        raise ValueError(f"--max-seq-len {a.max_seq_len}: must be positive")
+    if a.seed < 0:
+        raise ValueError(f"--seed {a.seed}: must be >= 0")
+    check_temperature(a.temperature, "--temperature")
     if not Path(a.ckpt).is_dir():
-        ap.error(f"--ckpt {a.ckpt}: no such folder")
+        raise FileNotFoundError(f"--ckpt {a.ckpt}: no such folder")
     a.parallel = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:       # launched by torchrun: one rank of the parallel model
         if a.verify:
             ap.error("--verify runs in one process (not under torchrun)")
         import parallel
-        try:
-            a.parallel, a.device = parallel.init_from_env(a.device)   # a GPU per rank, or --device cpu: gloo
-        except parallel.ShardError as e:
-            raise SystemExit(f"error: {e}")
+        a.parallel, a.device = parallel.init_from_env(a.device)   # a GPU per rank, or --device cpu: gloo
         a.backend = "torch"
         if a.parallel.rank != 0:                          # rank 0 prints and reads; the others compute
             quiet = os.open(os.devnull, os.O_WRONLY)
             os.dup2(quiet, 1)
             os.dup2(quiet, 2)
-    if a.backend == "torch" and a.device is None:
-        import torch
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if a.backend == "numpy" and a.device not in (None, "cpu"):
-        ap.error("--device needs --backend torch (the NumPy reference runs on the CPU)")
+    a.device = resolve_device(a.backend, a.device)
     if a.verify:
         import verify
         try:
@@ -248,17 +325,14 @@ def main(argv=None):
             raise SystemExit(f"error: {e}")
         raise SystemExit(verdict)                         # 0 PASS, 1 FAIL, 3 nothing compared
     a.tool_list = load_tools(a.tools)
+    tok = load_tokenizer(a.ckpt)                          # first: it checks what default_format reads
     a.chat_format = a.chat_format or chat.default_format(a.ckpt)
 
-    tok = load_tokenizer(a.ckpt)
     print(f"loading {a.ckpt} (memory-mapped; weights are read as layers use them)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    try:
-        model = Transformer.from_pretrained(a.ckpt, backend=a.backend, numerics=a.numerics, attention=a.attention,
-                                            indexer=a.indexer, max_seq_len=a.max_seq_len, device=a.device,
-                                            progress=show_progress, parallel=a.parallel)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}")
+    model = Transformer.from_pretrained(a.ckpt, backend=a.backend, numerics=a.numerics, attention=a.attention,
+                                        indexer=a.indexer, max_seq_len=a.max_seq_len, device=a.device,
+                                        progress=show_progress, parallel=a.parallel)
     args = model.args
     print(f"loaded {args.num_hidden_layers} layers in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print(f"ckpt={a.ckpt} backend={a.backend} numerics={model.numerics} attention={model.attention} "
@@ -280,10 +354,13 @@ def main(argv=None):
         elif a.input_file is not None:
             path = Path(a.input_file)
             if not path.is_file():
-                raise SystemExit(f"error: --input-file {path}: no such file")
-            texts = [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+                raise FileNotFoundError(f"--input-file {path}: no such file")
+            try:
+                texts = [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+            except UnicodeDecodeError as e:
+                raise ValueError(f"--input-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if not texts:
-                raise SystemExit(f"error: --input-file {path} holds no prompt")
+                raise ValueError(f"--input-file {path} holds no prompt")
             print(f"generating {len(texts)} prompts as one batch", file=sys.stderr)
             turns = [user_turn(tok, t, a) for t in texts]
             out, stats = generate(model, [ids for _, ids in turns], a.max_new_tokens, eos, a.temperature, rng)
@@ -303,8 +380,6 @@ def main(argv=None):
             report(stats)
         else:
             interactive(model, tok, a, rng, eos, read=input if a.parallel is None else shared_input)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}")
     finally:
         if a.parallel is not None:
             import torch.distributed as dist

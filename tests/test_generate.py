@@ -2,6 +2,7 @@
 properties on the fixture model, and clear errors on bad input."""
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -158,6 +159,135 @@ def test_cli_thinking_tools_and_formats(tiny, tmp_path):
     tools.write_text('{"name": "x"}')
     r = run("--ckpt", tiny, "--prompt", "hi", "--tools", tools)
     assert r.returncode != 0 and "expected a JSON list" in r.stderr
+
+
+# -----------------------------------------------------------------------------
+# Bad input: one line "error: ..." naming the flag or file, exit status 2, no traceback (--debug: one)
+
+def main_fails(capsys, *args):  # generate.main as the CLI runs it -> (exit status, stderr's lines)
+    with pytest.raises(SystemExit) as e:
+        generate.main([str(a) for a in args])
+    return e.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "--temperature nan: must be a finite number >= 0 (0 is greedy)"),
+    (["--temperature", "-1"], "--temperature -1.0: must be a finite number >= 0 (0 is greedy)"),
+    (["--temperature", "inf"], "--temperature inf: must be a finite number >= 0 (0 is greedy)"),
+    (["--seed", "-1"], "--seed -1: must be >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
+    (["--max-seq-len", "0"], "--max-seq-len 0: must be positive"),
+    (["--backend", "torch", "--device", "tpu"], "--device tpu: expected cpu, cuda or cuda:N"),
+    (["--device", "cuda"], "--device cuda needs --backend torch (the NumPy reference runs on the CPU)"),
+    (["--backend", "torch", "--device", "cuda:99"], "--device cuda:99: "),     # no GPU, or fewer than 100
+])
+def test_cli_bad_flags(tiny, capsys, flags, message):
+    code, err = main_fails(capsys, "--ckpt", tiny, "--prompt", "x", *flags)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: " + message), err
+
+
+def test_cli_bad_input_is_one_line_without_traceback(tiny):
+    r = run("--ckpt", tiny, "--prompt", "x", "--temperature", "nan")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == "error: --temperature nan: must be a finite number >= 0 (0 is greedy)\n"
+    r = run("--ckpt", tiny, "--prompt", "x", "--temperature", "nan", "--debug")
+    assert r.returncode == 1 and "Traceback" in r.stderr and "ValueError: --temperature nan" in r.stderr
+    assert "0 done; 2 bad input" in run("--help").stdout
+
+
+def broken_copy(tiny, tmp_path, **files):  # the tiny checkpoint by links, with some files replaced
+    out = tmp_path / "broken"
+    out.mkdir()
+    for f in tiny.iterdir():
+        (out / f.name).symlink_to(f)
+    for name, text in files.items():
+        (out / name).unlink()
+        (out / name).write_text(text)
+    return out
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("tokenizer.json", "garbage{", "tokenizer.json: not a tokenizer the tokenizers library can read (expected value"),
+    ("tokenizer.json", '{"model": 3}', "tokenizer.json: not a tokenizer the tokenizers library can read"),
+    ("tokenizer_config.json", "[]", "tokenizer_config.json: expected a JSON object"),
+    ("tokenizer_config.json", "{", "tokenizer_config.json: not valid JSON"),
+    ("config.json", "[]", "config.json: expected a JSON object, got an array"),
+])
+def test_cli_broken_checkpoint_files(tiny, tmp_path, capsys, name, text, message):
+    ck = broken_copy(tiny, tmp_path, **{name: text})
+    code, err = main_fails(capsys, "--ckpt", ck, "--prompt", "x")
+    assert code == 2 and err[-1].startswith(f"error: {ck}/{message}"), err
+
+
+def test_cli_config_field_of_the_wrong_type(tiny, tmp_path, capsys):
+    import json
+    cfg = json.loads((tiny / "config.json").read_text())
+    ck = broken_copy(tiny, tmp_path, **{"config.json": json.dumps(cfg | {"rope_theta": "10000"})})
+    code, err = main_fails(capsys, "--ckpt", ck, "--prompt", "x")
+    assert code == 2 and err[-1] == f"error: {ck}/config.json: rope_theta must be a finite number, got a string '10000'"
+
+
+@pytest.mark.parametrize("tools, message", [
+    ('[{"type": "function", "function": "get_time"}]', 'tool 0: "function" must be an object, got a string'),
+    ('[{"type": "function", "function": {"name": 3}}]', "tool 0: name must be a non-empty string, got an integer"),
+    ('[{"name": "f"}, {"name": "g", "parameters": []}]',
+     "tool 1 (g): parameters must be an object (a JSON schema), got an array"),
+    ('[{"name": "f", "description": 1}]', "tool 0 (f): description must be a string, got an integer"),
+    ('[{"type": "retrieval", "function": {"name": "f"}}]', "tool 0: type 'retrieval' is not \"function\""),
+    ("[3]", "tool 0: expected an object, got an integer"),
+    ('{"name": "x"}', ": expected a JSON list of tools, each with a function name; got an object"),
+    ("[" * 100_000, ": JSON nested too deeply to read"),
+])
+def test_cli_bad_tool_lists(tiny, tmp_path, capsys, tools, message):
+    f = tmp_path / "tools.json"
+    f.write_text(tools)
+    code, err = main_fails(capsys, "--ckpt", tiny, "--prompt", "x", "--tools", f)
+    assert code == 2 and err == [f"error: --tools {f}" + ("" if message[0] == ":" else ": ") + message], err
+
+
+def test_cli_input_file_that_is_not_text(tiny, tmp_path, capsys):
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(b"caf\xe9\n")
+    code, err = main_fails(capsys, "--ckpt", tiny, "--input-file", f)
+    assert code == 2 and err[-1] == f"error: --input-file {f}: not UTF-8 text (invalid continuation byte at byte 3)"
+
+
+def test_tool_lists_in_both_shapes_load(tmp_path):
+    f = tmp_path / "tools.json"
+    f.write_text('[{"type": "function", "function": {"name": "a", "description": null, "parameters": {}}},'
+                 ' {"name": "b", "description": "bare"}]')
+    assert [t.get("function", t)["name"] for t in generate.load_tools(f)] == ["a", "b"]
+
+
+def test_generate_rejects_a_temperature_that_is_not_a_number():
+    with pytest.raises(ValueError, match="temperature nan: must be a finite number"):
+        generate.generate(ScriptedModel([5]), [[1, 2]], 3, eos_id=1, temperature=float("nan"))
+    out, _ = generate.generate(ScriptedModel([5]), [[1, 2]], 3, eos_id=-1, temperature=np.float32(0.5))   # NumPy too
+    assert len(out[0]) == 3
+
+
+def test_ctrl_c_while_loading_exits_130(tiny, capsys, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(generate.Transformer, "from_pretrained", interrupted)
+    code, err = main_fails(capsys, "--ckpt", tiny, "--prompt", "x")
+    assert code == 130 and err[-1] == "interrupted"
+
+
+@pytest.mark.parametrize("where", ["generating", "at the chat prompt"])
+def test_ctrl_c_exits_130_without_traceback(tiny, where):
+    import signal
+    flags = ["--prompt", "x", "--max-new-tokens", "900"] if where == "generating" else ["--interactive"]
+    p = subprocess.Popen([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(tiny), "--temperature", "0", *flags],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    err = []
+    while not (err and err[-1].startswith("ckpt=")):                    # the settings line: loaded, starting
+        err.append(p.stderr.readline())
+        assert err[-1], err
+    time.sleep(1)
+    p.send_signal(signal.SIGINT)
+    _, rest = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in rest and rest.strip().splitlines()[-1] == "interrupted", rest
 
 
 def test_verify_passes_on_the_tiny_checkpoint(tiny):
