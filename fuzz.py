@@ -13,9 +13,9 @@ the defaults. A crash is an exception a target lets out; libFuzzer saves its inp
     header  checkpoint.read_header on the bytes after the first as a file, or (first byte odd) on a
             file of tensors with fields set to JSON values drawn from them: returns or raises
             CheckpointError, and what it returns holds: offsets in the file, sizes fit dtype and shape
-    config  model.ModelArgs.from_config on the bytes as JSON (objects only: the loader refuses the
-            rest first), or on tiny_config() with fields set to JSON values drawn from the bytes
-            (first byte odd): returns or raises ValueError; a returned config has a finite softmax scale
+    config  model.ModelArgs.from_config on the bytes after the first as JSON (any value), or (first
+            byte odd) on tiny_config() with fields set to JSON values drawn from them: returns or
+            raises ValueError; a returned config has a finite positive softmax scale
     v32exp, dsml32, dsml4
             chat.parse never raises on a completion and its result holds together (spans tile the
             text in chars and bytes, calls have JSON object arguments, finish_reason follows the
@@ -163,8 +163,6 @@ def fuzz_config(data):
         try:
             cfg = json.loads(data[1:])
         except (ValueError, RecursionError):             # not JSON: checkpoint.read_json's business
-            return
-        if not isinstance(cfg, dict):
             return
     try:
         args = model.ModelArgs.from_config(cfg)
