@@ -71,25 +71,54 @@ def act_quant_torch(x, block_size=128, scale_fmt="ue8m0"):  # quant.act_quant in
     return q.reshape(x.shape), s
 
 
+_FP8_TABLES = {}            # (fp8 dtype, float dtype) -> the 256 values of its codes, on the CPU
+
+
+def fp8_values(codes, dtype=torch.float32):  # fp8 tensor -> its values in dtype (quant.fp8_decode)
+    """On the CPU through a 256-entry table, as quant.fp8_decode: torch's own fp8 -> float cast is
+    scalar there (about 6x slower than this gather). The table is that cast of every code, so the bits
+    are the cast's, NaN (0x7F, 0xFF) and subnormals included. Elsewhere the device's own cast."""
+    if codes.device.type != "cpu" or codes.element_size() != 1:
+        return codes.to(dtype)
+    key = (codes.dtype, dtype)
+    if key not in _FP8_TABLES:
+        _FP8_TABLES[key] = torch.arange(256, dtype=torch.uint8).view(codes.dtype).to(dtype)
+    flat = codes.reshape(-1).view(torch.uint8).int()                      # int32 indices: no int64 copy
+    return _FP8_TABLES[key].index_select(0, flat).view(codes.shape)
+
+
 def fp8_gemm_torch(a, sa, b, sb, block_size=128):  # quant.fp8_gemm in torch (float64 partials: exact)
+    """Every K block's partial sum in one batched float64 GEMM: a product of two fp8 values has 8
+    significant bits and is a multiple of 2^-18, and 128 of them sum to less than 2^25, so each
+    partial is exact in float64 whatever the order of summation (BLAS's blocking included). Then, as
+    the reference: fp32 rounding, the fp32 product of the two scales, fp32 accumulation K blocks
+    ascending."""
     M, K = a.shape
     N = b.shape[0]
-    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    Kb = -(-K // block_size)
+    a64, b64 = fp8_values(a, torch.float64), fp8_values(b, torch.float64)
+    if K % block_size:                                                   # a ragged last block: zero products
+        a64 = torch.nn.functional.pad(a64, (0, Kb * block_size - K))
+        b64 = torch.nn.functional.pad(b64, (0, Kb * block_size - K))
+    partial = torch.bmm(a64.reshape(M, Kb, block_size).transpose(0, 1),    # [Kb, M, bs] @ [Kb, bs, N]
+                        b64.reshape(N, Kb, block_size).permute(1, 2, 0)).float()   # -> [Kb, M, N], fp32
     sb_rows = sb.repeat_interleave(block_size, 0)[:N]                  # [N, Kb]
+    promoted = partial * (sa.T[:, :, None] * sb_rows.T[:, None, :])    # "2xAcc" promotion, per block
     acc = torch.zeros(M, N, dtype=torch.float32, device=a.device)
-    for kb in range(-(-K // block_size)):
-        k = slice(kb * block_size, (kb + 1) * block_size)
-        partial = (a64[:, k] @ b64[:, k].T).float()
-        acc += partial * (sa[:, kb, None] * sb_rows[None, :, kb])
+    for kb in range(Kb):                                                 # K blocks ascending, as the reference
+        acc += promoted[kb]
     return acc
 
 
-def dequant(W):  # quant.Weight of tensors -> [N, K] float32
+def dequant(W):  # quant.Weight of tensors -> [N, K] float32 (quant.weight_dequant)
     if W.scale is None:
         return W.w.float()
     N, K = W.w.shape
+    if K % 128 == 0:            # the column blocks by broadcasting, not an [N, K] copy of the scales
+        s = W.scale.repeat_interleave(128, 0)[:N]                                     # [N, K/128]
+        return (fp8_values(W.w).view(N, -1, 128) * s[:, :, None]).view(N, K)       # the same products
     s = W.scale.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
-    return W.w.float() * s
+    return fp8_values(W.w) * s
 
 
 def unpack_latent(rows, C):  # [..., W] latent cache rows -> c^KV [..., C], k^R [..., R] float32
@@ -133,11 +162,14 @@ def torch_ops(device, kernels=True, dsa=None):
             return bf16_round(y) if official else y
         lead = x.shape[:-1]
         q, s = act_quant(x.reshape(-1, x.shape[-1]))
+        return fp8_linear(q, s, W).reshape(*lead, -1)
+
+    def fp8_linear(q, s, W):  # act_quant's [M, K] codes and scales times an FP8 weight -> [M, N] bf16 values
         if kern is not None:
             y = kern.fp8_gemm(q, s, W.w, W.scale)                       # bf16 out, as the official kernel
         else:
             y = fp8_gemm_torch(q, s, W.w, W.scale)
-        return bf16_round(y).reshape(*lead, -1)
+        return bf16_round(y)
 
     def fuse_rows(Ws):  # FP8 weights of one input -> the same Weights, as row blocks of one (linears: one GEMM)
         """At load. Every block but one must fill whole 128-row scale blocks; that one goes last.
@@ -377,6 +409,10 @@ def torch_ops(device, kernels=True, dsa=None):
 
     def mlp(x, p, official):
         rnd = bf16_round if official else no_round
+        if kern is None and official and p["w1"].scale is not None and p["w3"].scale is not None:
+            q, s = act_quant(x.reshape(-1, x.shape[-1]))                 # CPU: w1 and w3 share one act_quant
+            a, b = fp8_linear(q, s, p["w1"]), fp8_linear(q, s, p["w3"])
+            return linear(rnd(torch.nn.functional.silu(a) * b), p["w2"], official).reshape(*x.shape[:-1], -1)
         a = linear(x, p["w1"], official)
         b = linear(x, p["w3"], official)
         return linear(rnd(torch.nn.functional.silu(a) * b), p["w2"], official)
@@ -447,8 +483,9 @@ def torch_ops(device, kernels=True, dsa=None):
         return out
 
     def moe(x, p, args, official):
-        """Routed experts through the grouped GEMM over all experts' stacked weights; the per-token sum
-        over its experts in expert-id order in fp32, the shared experts last (as the reference)."""
+        """Routed experts through the grouped GEMM over all experts' stacked weights (on the CPU: one
+        GEMM per chosen expert, the same rows' products); the per-token sum over its experts in
+        expert-id order in fp32, the shared experts last (as the reference)."""
         w, idx = gate(x, p["gate"].w, p.get("gate_bias"), args)
         M, Kt = idx.shape
         D = x.shape[1]
@@ -463,6 +500,15 @@ def torch_ops(device, kernels=True, dsa=None):
                 g = linear(x[tok], quant.Weight(W1, S1), official)
                 h = (bf16_round if official else no_round)(torch.nn.functional.silu(g[:, :I]) * g[:, I:])
                 out[tok * Kt + slot] = linear(h, quant.Weight(W2, S2), official)
+        elif kern is None:      # CPU: each chosen expert on its tokens' rows (no padded routing table to build)
+            q, s = act_quant(x)                                          # per row: the same codes as x[tok]'s
+            out = torch.zeros(M * Kt + 1, D, device=device)
+            for e in torch.unique(idx).tolist():                         # as grouped: one GEMM per expert present
+                tok, slot = torch.nonzero(idx == e, as_tuple=True)
+                g = fp8_linear(q[tok], s[tok], quant.Weight(p["w13"].w[e], p["w13"].scale[e]))   # gate | up
+                I = g.shape[1] // 2
+                h = bf16_round(torch.nn.functional.silu(g[:, :I]) * g[:, I:])
+                out[tok * Kt + slot] = fp8_linear(*act_quant(h), quant.Weight(p["w2"].w[e], p["w2"].scale[e]))
         else:
             E = p["w13"].w.shape[0]
             rows_tok, pair_at, block_expert = route(idx, E, 16)

@@ -184,3 +184,32 @@ def test_model_projections_share_gemms(ckpt):
     assert one(p["wq_a"], p["wkv_a"]) and not one(p["wq_a"], p["indexer"]["wk"]) and not one(p["wq_b"], p["indexer"]["wq_b"])
     p = Transformer.from_pretrained(ckpt, backend="torch", numerics="exact").w["layers"][0]["attn"]
     assert not one(p["wq_a"], p["wkv_a"])
+
+
+def test_cpu_fp8_decode_and_gemm_bit_for_bit():
+    """The CPU's table decode of FP8 (quant.fp8_decode's rule) gives every one of the 256 codes the
+    value ml_dtypes and torch's own cast give, NaN at 0x7F / 0xFF and subnormals included; the batched
+    fp8_gemm_torch and the broadcast dequant equal quant.fp8_gemm / quant.weight_dequant bit for bit,
+    ragged K and N included."""
+    import quant
+    codes = np.arange(256, dtype=np.uint8)
+    t = torch.from_numpy(codes).view(backend_torch.F8)
+    for dt in (torch.float32, torch.float64):
+        got = backend_torch.fp8_values(t.reshape(16, 16), dt).reshape(-1).numpy()
+        want = codes.view(quant.E4M3).astype(got.dtype)
+        assert np.isnan(got[[0x7F, 0xFF]]).all() and np.array_equal(got, want, equal_nan=True)
+        assert np.array_equal(got, t.to(dt).numpy(), equal_nan=True)
+        assert np.array_equal(got, quant.fp8_decode(codes.view(quant.E4M3), got.dtype), equal_nan=True)
+    rng = np.random.default_rng(3)
+    for M, N, K in ((1, 256, 256), (5, 192, 384), (3, 130, 200), (2, 64, 100)):
+        x = (rng.standard_normal((M, K)) * rng.choice([1e-3, 1, 30], (M, K))).astype(np.float32)
+        w, ws = quant.weight_quant(rng.standard_normal((N, K)).astype(np.float32) * 0.1)
+        K128 = -(-K // 128) * 128                                        # act_quant wants whole blocks
+        q, s = quant.act_quant(np.pad(x, ((0, 0), (0, K128 - K))))
+        q = q[:, :K]
+        want = quant.fp8_gemm(q, s, w, ws)
+        tq, tw = backend_torch.to_torch(q, "cpu"), backend_torch.to_torch(w, "cpu")
+        got = backend_torch.fp8_gemm_torch(tq, torch.from_numpy(s), tw, torch.from_numpy(ws)).numpy()
+        assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        deq = backend_torch.dequant(quant.Weight(tw, torch.from_numpy(ws))).numpy()
+        assert np.array_equal(deq.view(np.uint32), quant.weight_dequant(w, ws).view(np.uint32))
