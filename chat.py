@@ -344,8 +344,17 @@ def default_format(ckpt_dir):
     """v32exp when the checkpoint's tokenizer_config.json carries a chat_template, else by model_type."""
     ckpt_dir = Path(ckpt_dir)
     tc = ckpt_dir / "tokenizer_config.json"
-    if tc.is_file() and json.loads(tc.read_text(encoding="utf-8")).get("chat_template"):
-        return "v32exp"
+    if tc.is_file():
+        try:
+            cfg = json.loads(tc.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:   # RecursionError is not a ValueError: nest limit below
+            raise ValueError(f"{tc}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ValueError(f"{tc}: JSON nested too deeply to read") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{tc}: expected a JSON object, got {type(cfg).__name__}")
+        if cfg.get("chat_template"):
+            return "v32exp"
     try:
         model_type = json.loads((ckpt_dir / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):

@@ -247,7 +247,7 @@ def main(argv=None):
         description=__doc__.split("\n\n")[0],
         epilog="Exit status: 0 done; 2 bad input (flags, files, checkpoint), reported on one line 'error: ...' "
                "(--debug shows the traceback instead; argparse's own usage errors are 2 as well); 130 interrupted "
-               "(Ctrl-C); with --verify: 0 pass, 1 fail (or its own error), 3 nothing compared.")
+               "(Ctrl-C); with --verify: 0 pass, 1 fail, 3 nothing compared.")
     ap.add_argument("--ckpt", required=True, help="checkpoint folder: config.json, safetensors shards + index, tokenizer.json")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt (a single user turn unless --raw)")
@@ -303,12 +303,14 @@ def run(ap, a):  # main's work once the flags are parsed; bad input raises one o
     if a.seed < 0:
         raise ValueError(f"--seed {a.seed}: must be >= 0")
     check_temperature(a.temperature, "--temperature")
+    if not a.verify and (a.verify_layers is not None or a.record_golden):
+        raise ValueError(f"{'--verify-layers' if a.verify_layers is not None else '--record-golden'} needs --verify")
     if not Path(a.ckpt).is_dir():
         raise FileNotFoundError(f"--ckpt {a.ckpt}: no such folder")
     a.parallel = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:       # launched by torchrun: one rank of the parallel model
         if a.verify:
-            ap.error("--verify runs in one process (not under torchrun)")
+            raise ValueError("--verify runs in one process (not under torchrun)")
         import parallel
         a.parallel, a.device = parallel.init_from_env(a.device)   # a GPU per rank, or --device cpu: gloo
         a.backend = "torch"
@@ -319,11 +321,8 @@ def run(ap, a):  # main's work once the flags are parsed; bad input raises one o
     a.device = resolve_device(a.backend, a.device)
     if a.verify:
         import verify
-        try:
-            verdict = verify.verify(a.ckpt, a.backend, a.device, a.numerics, a.verify_layers, a.record_golden)
-        except (ValueError, FileNotFoundError) as e:
-            raise SystemExit(f"error: {e}")
-        raise SystemExit(verdict)                         # 0 PASS, 1 FAIL, 3 nothing compared
+        raise SystemExit(verify.verify(a.ckpt, a.backend, a.device, a.numerics, a.verify_layers,
+                                       a.record_golden))  # 0 PASS, 1 FAIL, 3 nothing compared
     a.tool_list = load_tools(a.tools)
     tok = load_tokenizer(a.ckpt)                          # first: it checks what default_format reads
     a.chat_format = a.chat_format or chat.default_format(a.ckpt)

@@ -339,7 +339,10 @@ def test_verify_goldens_are_per_platform_and_nothing_compared_is_no_pass(tiny, t
 def test_verify_layers_must_be_within_the_model(tiny):
     r = run("--ckpt", tiny, "--verify", "--verify-layers", "99")
     assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert "--verify-layers 99: " in r.stderr and "has 4 layers, so N must be 1..4" in r.stderr
+    assert "--verify-layers 99: " in r.stderr and "has 4 layers, so N must be 1..4" in r.stderr and r.returncode == 2
+    for flags, what in ((["--verify-layers", "2"], "--verify-layers"), (["--record-golden"], "--record-golden")):
+        r = run("--ckpt", tiny, "--prompt", "hi", *flags)
+        assert r.returncode == 2 and f"error: {what} needs --verify" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_verify_catches_the_old_indexer_rope(tiny, monkeypatch):
