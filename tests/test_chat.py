@@ -240,7 +240,7 @@ def test_default_format_from_the_checkpoint(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{x}}"}))
     assert chat.default_format(tmp_path) == "v32exp"
     for text, what in (("[]", "expected a JSON object, got list"), ("{oops", "not valid JSON"),
-                       ("[" * 100000, "nested too deeply")):
+                       ("[" * 100000, "JSON nested too deeply")):
         (tmp_path / "tokenizer_config.json").write_text(text)
         with pytest.raises(ValueError, match=f"tokenizer_config.json: {what}"):
             chat.default_format(tmp_path)
