@@ -17,6 +17,7 @@ On every device, FP8 linears that share an input are laid out at load as row blo
 (fuse_rows, called by model.Transformer) and run as one GEMM (linears), with the same bits.
 GraphDecoder, at the end, replays decode steps from a captured CUDA graph.
 """
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,6 +27,7 @@ import quant
 
 F8 = torch.float8_e4m3fn
 SCORE_BYTES = 1 << 30       # the indexer's scores of a long prompt are computed in query chunks of this size
+SERIAL_BELOW = 1 << 22      # CPU work on fewer elements runs on one thread (cpu_threads_for)
 
 
 def kernels_for(device):  # the kernel module of a GPU, or None (CPU; or Triton missing)
@@ -71,6 +73,24 @@ def act_quant_torch(x, block_size=128, scale_fmt="ue8m0"):  # quant.act_quant in
     return q.reshape(x.shape), s
 
 
+@contextlib.contextmanager
+def cpu_threads_for(t):
+    """CPU work on a tensor t of fewer than SERIAL_BELOW elements on one intra-op thread, then the
+    caller's count again. Such work takes well under a scheduler's time slice on one core, and a
+    parallel region waits for every thread of the pool: on a loaded machine one descheduled thread
+    stalls it (the tiny checkpoint's decode ran 10x slower on 2 threads than on 1 while other
+    processes ran). Bits do not change: the ops this wraps sum per element or in exact float64."""
+    n = torch.get_num_threads()
+    if t.device.type != "cpu" or n == 1 or t.numel() >= SERIAL_BELOW:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 _FP8_TABLES = {}            # (fp8 dtype, float dtype) -> the 256 values of its codes, on the CPU
 
 
@@ -93,6 +113,11 @@ def fp8_gemm_torch(a, sa, b, sb, block_size=128):  # quant.fp8_gemm in torch (fl
     partial is exact in float64 whatever the order of summation (BLAS's blocking included). Then, as
     the reference: fp32 rounding, the fp32 product of the two scales, fp32 accumulation K blocks
     ascending."""
+    with cpu_threads_for(b):
+        return _fp8_gemm(a, sa, b, sb, block_size)
+
+
+def _fp8_gemm(a, sa, b, sb, block_size):
     M, K = a.shape
     N = b.shape[0]
     Kb = -(-K // block_size)
@@ -113,6 +138,11 @@ def fp8_gemm_torch(a, sa, b, sb, block_size=128):  # quant.fp8_gemm in torch (fl
 def dequant(W):  # quant.Weight of tensors -> [N, K] float32 (quant.weight_dequant)
     if W.scale is None:
         return W.w.float()
+    with cpu_threads_for(W.w):
+        return _dequant(W)
+
+
+def _dequant(W):
     N, K = W.w.shape
     if K % 128 == 0:            # the column blocks by broadcasting, not an [N, K] copy of the scales
         s = W.scale.repeat_interleave(128, 0)[:N]                                     # [N, K/128]

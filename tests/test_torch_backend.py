@@ -201,6 +201,7 @@ def test_cpu_fp8_decode_and_gemm_bit_for_bit():
         assert np.array_equal(got, t.to(dt).numpy(), equal_nan=True)
         assert np.array_equal(got, quant.fp8_decode(codes.view(quant.E4M3), got.dtype), equal_nan=True)
     rng = np.random.default_rng(3)
+    threads = torch.get_num_threads()
     for M, N, K in ((1, 256, 256), (5, 192, 384), (3, 130, 200), (2, 64, 100)):
         x = (rng.standard_normal((M, K)) * rng.choice([1e-3, 1, 30], (M, K))).astype(np.float32)
         w, ws = quant.weight_quant(rng.standard_normal((N, K)).astype(np.float32) * 0.1)
@@ -213,3 +214,4 @@ def test_cpu_fp8_decode_and_gemm_bit_for_bit():
         assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
         deq = backend_torch.dequant(quant.Weight(tw, torch.from_numpy(ws))).numpy()
         assert np.array_equal(deq.view(np.uint32), quant.weight_dequant(w, ws).view(np.uint32))
+    assert torch.get_num_threads() == threads                          # cpu_threads_for gave the count back
