@@ -279,6 +279,9 @@ def main(argv=None):
     ap.add_argument("--record-golden", action="store_true", help="--verify: record this combination's golden outputs")
     ap.add_argument("--max-seq-len", type=int, default=None,
                     help="context length for caches and YaRN (default: the config's max_position_embeddings)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch on the CPU: intra-op threads (default 1: a decode step's ops are too small to split, "
+                         "and threads that wait for each other on a busy machine made it 10x slower)")
     ap.add_argument("--debug", action="store_true", help="on an error, show the Python traceback, not one line")
     a = ap.parse_args(argv)
     try:
@@ -319,6 +322,11 @@ def run(ap, a):  # main's work once the flags are parsed; bad input raises one o
             os.dup2(quiet, 1)
             os.dup2(quiet, 2)
     a.device = resolve_device(a.backend, a.device)
+    if a.threads is not None and (a.threads < 1 or a.backend != "torch" or a.device != "cpu"):
+        raise ValueError(f"--threads {a.threads}: must be >= 1, and applies to --backend torch --device cpu")
+    if a.backend == "torch" and a.device == "cpu" and a.parallel is None:
+        import torch
+        torch.set_num_threads(a.threads or 1)
     if a.verify:
         import verify
         raise SystemExit(verify.verify(a.ckpt, a.backend, a.device, a.numerics, a.verify_layers,

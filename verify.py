@@ -76,7 +76,9 @@ def platform_id(backend, device):  # what decides a float32 result's bits, as on
     if backend == "torch":
         import torch
         parts.append(f"torch {torch.__version__}")
-        if device not in (None, "cpu"):
+        if device in (None, "cpu"):
+            parts.append(f"torch threads {torch.get_num_threads()}")        # a product's sum order follows them
+        else:
             import triton
             parts[0] = torch.cuda.get_device_name(torch.device(device))   # the GPU computes
             parts.append(f"triton {triton.__version__}")

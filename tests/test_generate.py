@@ -297,7 +297,7 @@ def test_verify_passes_on_the_tiny_checkpoint(tiny):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "1. torch on cpu against the NumPy reference" in r.stdout and "VERIFY PASS" in r.stdout
     assert r.stdout.count(" | ") >= 8                                       # a row per layer
-    here = verify.platform_id("torch", "cpu")
+    here = r.stdout.split("recorded on this platform: ", 1)[1].splitlines()[0]   # as the CLI runs (1 torch thread)
     recorded = json.loads(verify.GOLDENS.read_text()).get(verify.fingerprint(tiny), {}).get(here, {})
     if "torch/official/all" in recorded:                                   # the platform the goldens come from
         assert "greedy tokens match, logits hash matches" in r.stdout and "(2 comparisons)" in r.stdout
@@ -395,3 +395,20 @@ def test_dsa_benchmark_script_runs(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "| sparse MLA decode (fp8 cache) |" in r.stdout and "| sparse MLA prefill (bf16 cache) |" in r.stdout and (tmp_path / "dsa.json").is_file()
+
+
+def test_threads_flag(tiny):
+    # torch on the CPU runs one intra-op thread unless told (a decode step's ops are too small to split);
+    # the flag is checked, and refused where it means nothing
+    for flags, what in ((["--backend", "torch", "--device", "cpu", "--threads", "0"], "--threads 0: must be >= 1"),
+                        (["--threads", "2"], "applies to --backend torch --device cpu")):
+        r = run("--ckpt", tiny, "--prompt", "hi", *flags)
+        assert r.returncode == 2 and what in r.stderr and "Traceback" not in r.stderr
+    import verify
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert verify.platform_id("torch", "cpu").endswith("torch threads 1")
+    finally:
+        torch.set_num_threads(before)
