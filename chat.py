@@ -836,20 +836,29 @@ def parse(completion, fmt="v32exp", prompt="", tools=None):
 
 class Detokenizer:
     """Incremental detokenizer: feed token ids, get the new text; an incomplete UTF-8 sequence (a
-    character split across tokens decodes to U+FFFD) is held back until it completes."""
+    character split across tokens decodes to U+FFFD) is held back until it completes. Each call
+    decodes only the tokens since the last text shown plus those before it (the prefix window:
+    byte-level BPE needs them for a character split across tokens), so a long generation costs
+    linear time, not the whole history per token."""
 
     def __init__(self, tokenizer, skip_special_tokens=True):
-        self.tok, self.skip, self.ids, self.shown = tokenizer, skip_special_tokens, [], ""
+        self.tok, self.skip, self.ids = tokenizer, skip_special_tokens, []
+        self.prefix = self.read = 0          # ids[prefix:read] decode to text already shown
+
+    def _decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=self.skip)
 
     def feed(self, token_id):
         self.ids.append(int(token_id))
-        text = self.tok.decode(self.ids, skip_special_tokens=self.skip)
-        if text.endswith("\ufffd"):
+        shown = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        if text.endswith("\ufffd") or len(text) <= len(shown):      # incomplete, or nothing new yet
             return ""
-        new, self.shown = text[len(self.shown):], text
-        return new
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(shown):]
 
     def flush(self):  # at the end: whatever is left, replacement characters included
-        text = self.tok.decode(self.ids, skip_special_tokens=self.skip)
-        new, self.shown = text[len(self.shown):], text
-        return new
+        shown = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(shown):]

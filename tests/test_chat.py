@@ -637,3 +637,27 @@ def test_lone_surrogates_read_as_replacement_characters():
 def test_deeply_nested_arguments_are_invalid_not_a_crash():
     r = chat.parse(v31(("f", "[" * 100_000)))                                   # json.loads: RecursionError
     assert r["tool_calls"] == [] and [e["reason"] for e in r["errors"]] == ["invalid_arguments"]
+
+
+@given(st.lists(st.one_of(st.integers(0, 129279), st.sampled_from([1, 128798, 128799, 128803, 128806])), max_size=40))
+def test_detokenizer_streams_what_one_decode_gives(tok, ids):
+    # any ids (split characters, special tokens skipped or not): the pieces add up to one decode
+    for skip in (True, False):
+        d = chat.Detokenizer(tok, skip_special_tokens=skip)
+        assert "".join([d.feed(i) for i in ids] + [d.flush()]) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_detokenizer_work_is_linear(tok):
+    # each feed decodes the tokens since the last text shown and the window before them, not the history
+    ids = tok.encode("Sparse attention, 稀疏注意力, 😀 — " * 300, add_special_tokens=False).ids
+    decoded = []
+
+    class Counting:
+        def decode(self, part, skip_special_tokens):
+            decoded.append(len(part))
+            return tok.decode(part, skip_special_tokens=skip_special_tokens)
+
+    d = chat.Detokenizer(Counting())
+    text = "".join([d.feed(i) for i in ids] + [d.flush()])
+    assert text == tok.decode(ids) and len(ids) > 2000
+    assert sum(decoded) <= 12 * len(ids), sum(decoded) / len(ids)
