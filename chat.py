@@ -17,6 +17,45 @@ Public API:
 
 Parsing is one text-level state machine per format; parse() is the stream fed in one piece, and the
 tests check that every chunking (per character, per UTF-8 byte, per token) gives the same result.
+
+Encoding rules worth knowing:
+- **Tools** are not rendered by the V3.2-Exp template. With `tools=`, `v32exp` appends the block the
+  serving engines use (vLLM's and SGLang's tool templates, Ollama's renderer) to the system prompt:
+  `system + "\\n\\n## Tools\\nYou have access to the following tools:\\n" + …` (spec/chat.md §3.5), also
+  when there is no system message; a tool whose `description` is None gets no `Description:` line.
+  In the DSML formats the tools ride on the first system message (one is inserted if needed).
+- `thinking` is the template's switch. **`enable_thinking` is accepted as an alias** (both given and
+  different is an error), so a client that sends it gets a prompt and a parser that agree.
+- Tool-call `arguments` may be a JSON string or a dict: the same bytes either way (key order kept,
+  non-ASCII unescaped, never encoded twice). `tool_calls: []` is treated as absent.
+- DSML: `add_generation_prompt` has no effect (every user turn ends with the assistant prefix).
+
+Parsing rules: the reasoning split follows how the **prompt** ends (`<think>` → reasoning until
+`</think>`), never a request flag, so after a V3.1 tool result (nothing appended) the answer is
+content. The stream parser is a text-level state machine behind an incremental detokenizer: it holds
+back an incomplete UTF-8 sequence and any suffix that could still become a marker, so streaming gives
+exactly what whole-text parsing gives (tested at every character, every UTF-8 byte, every token and
+random chunks). Events: `reasoning`, `content` (text pieces), `tool_call` (index, id, name, once the
+name is complete), `tool_call_arguments` (argument text pieces), `tool_call_done` (the complete, valid
+arguments), `error`, and `finish`. Malformed output never raises and never loses text:
+
+| case | outcome |
+|---|---|
+| arguments that are not a JSON object (`v32exp`), a `string="false"` value that is not JSON (DSML) | not a call; `errors` gets `invalid_arguments` with the call's raw text |
+| output ends inside a call (mid-name, mid-arguments, mid-tag) | not a call; `unterminated_call` with the raw text |
+| the closing `<｜tool▁calls▁end｜>` / `</｜DSML｜…>` missing after complete calls | the calls stand; no error |
+| `<｜tool▁call▁begin｜>` without `<｜tool▁calls▁begin｜>` | accepted as a call |
+| empty name | `empty_name` |
+| a name not in the given tool list | reported, with `"unknown_tool": true` |
+| text after the calls' closing marker | kept as content, and noted as `text_after_calls` |
+| non-whitespace text between calls | kept as content, noted as `unexpected_text` |
+| calls written inside the reasoning (before `</think>`) | stay reasoning (the official V3.2 parser rejects them) |
+| DSML: bad `string` attribute or parameter tag, duplicate parameter, text or JSON inside an invoke, `</｜DSML｜parameter>` inside a value | not a call; `malformed_parameter`, `duplicate_parameter` or `malformed_invoke` |
+| DSML `invoke` without its block, a misspelled block (`toolcalls`), ASCII look-alikes of markers (`<\\|tool▁sep\\|>`, `\\|DSML\\|`) | plain content |
+| self-closing `<｜DSML｜invoke name="x"/>` | a call with `{}` |
+
+`finish_reason` is `tool_calls` only when at least one call with valid JSON arguments was parsed.
+Tool-call ids (`call_` + 24 hex digits) appear only in each call's first event.
 """
 import codecs
 import functools

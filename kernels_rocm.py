@@ -12,6 +12,9 @@ as data below.
                           kernel, the sparse MLA decodes the latent bytes; act_quant runs in torch (no
                           FP8 store in Triton there)
 
+On gfx942 the activation grid (e4m3fnuz, maximum 240) differs from the official e4m3fn one, so its
+numerics are close to, not identical with, the official model's.
+
 No AMD GPU was available to this project: these paths are checked in the Triton CPU interpreter
 (tests/test_kernels.py) and by reading, not on hardware.
 """
