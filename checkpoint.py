@@ -134,6 +134,10 @@ def read_header(path):  # -> {name: (dtype, shape, begin, end)} with offsets int
             raise CheckpointError(f"{where}: data ends at byte {offs[1]} but the file holds {data_size} "
                                   f"(truncated file?)")
         out[name] = (dtype, tuple(shape), 8 + n + offs[0], 8 + n + offs[1])
+    spans = sorted((b, e, name) for name, (_, _, b, e) in out.items() if e > b)   # empty tensors own no bytes
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:                           # two tensors over the same bytes: a lying header
+            raise CheckpointError(f"{path}: tensors {a!r} and {b!r} overlap in the data")
     return out
 
 
@@ -173,6 +177,9 @@ class Checkpoint:
         shard = self.weight_map[name]
         if shard not in self._headers:
             file = self.path / shard
+            if not isinstance(shard, str) or Path(shard).name != shard:   # a bare file name, inside the folder
+                raise CheckpointError(f"{self.path}: the index names shard {shard!r} for {name!r}; "
+                                      f"shards are files inside the checkpoint folder")
             if not file.is_file():
                 raise FileNotFoundError(f"{file} (named in the index for {name!r}) does not exist")
             self._headers[shard] = read_header(file)

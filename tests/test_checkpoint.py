@@ -140,6 +140,17 @@ def test_missing_pieces(small, tmp_path):
         checkpoint.Checkpoint(tmp_path / "nope")
 
 
+def test_index_names_only_shards_inside_the_folder(small):
+    idx = small / "model.safetensors.index.json"
+    index = json.loads(idx.read_text())
+    shard = index["weight_map"]["model.norm.weight"]
+    for bad in ("../" + shard, str(small / shard), "sub/" + shard):
+        index["weight_map"]["model.norm.weight"] = bad
+        idx.write_text(json.dumps(index))
+        with pytest.raises(CheckpointError, match="shards are files inside the checkpoint folder"):
+            checkpoint.Checkpoint(small).get("model.norm.weight")
+
+
 def test_config_missing_field_is_named(small):
     cfg = json.loads((small / "config.json").read_text())
     del cfg["kv_lora_rank"]
@@ -300,6 +311,8 @@ def entry(**kw):
     (json.dumps({"a": "F32"}).encode(), "entry needs dtype"),
     (b"[1, 2]", "not a JSON object"),
     (b"\xff\xfe", "not valid JSON"),
+    (json.dumps({"a": entry(), "b": entry(shape=[1], data_offsets=[4, 8])}).encode(),   # b inside a's bytes
+     "tensors 'a' and 'b' overlap in the data"),
 ])
 def test_hostile_header(tmp_path, header, message):
     f = tmp_path / "x.safetensors"
