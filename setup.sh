@@ -38,6 +38,6 @@ if ! installed "$want"; then
   cat "$want" requirements.txt constraints.txt > ".venv/.installed-$want"
   echo "setup: .venv is ready" >&2
 fi
-if [ ! -f tiny-v32/config.json ]; then
-  .venv/bin/python checkpoint.py tiny-v32
+if [ ! -f tiny-v32/config.json ] || [ ! -f tiny-v32/.dsa-ref-checkpoint ]; then
+  .venv/bin/python checkpoint.py tiny-v32           # built before the marker: other bf16 bytes, rebuilt
 fi
