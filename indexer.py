@@ -83,6 +83,19 @@ def topk_select_ref(I, K, start_pos):  # [B, T, S] f32, top-k, offset -> [B, T, 
     return sel & causal[None]                                                 # future keys stay out
 
 
+# The DSA kernels' contracts (kernels_cuda.index_scores, topk_indices), stated with the references above
+
+def index_scores_causal_ref(q, w, k, k_scale, start_pos):  # -> [B, T, S] f32, -inf at future keys
+    """kernels_cuda.index_scores: eq. (1), with every key after the query's position (start_pos + t) at -inf."""
+    T, S = q.shape[1], k.shape[1]
+    return np.where(causal_ref(T, start_pos, S)[None], index_scores_ref(q, w, k, k_scale), -np.inf).astype(np.float32)
+
+
+def topk_indices_ref(I, K, start_pos):  # [B, T, S] f32 -> [B, T, K] int32
+    """kernels_cuda.topk_indices: eq. (2)'s selection as positions, ascending, then -1 (selection_indices_ref)."""
+    return selection_indices_ref(topk_select_ref(I, K, start_pos), K)
+
+
 # -----------------------------------------------------------------------------
 # The indexer layer: projections, RoPE, (rotation + FP8), key cache, scores, selection
 

@@ -581,8 +581,8 @@ def index_scores(q, w, k, k_scale, start_pos, block_n=None, num_warps=None, num_
                  decode=False, fnuz=False):
     """q [B, T, J, D] (FP8 or float32), w [B, T, J] f32, k [B, S, D] (q's dtype), k_scale [B, S] f32,
     start_pos (int or device tensor) -> [B, T, S] f32 scores, -inf at keys after each query's position
-    (start_pos + t). Prefill chunks and decode rows alike: the keys are split so that at least about
-    `programs` programs run (one decode row then spreads over the GPU)."""
+    (start_pos + t): indexer.index_scores_causal_ref. Prefill chunks and decode rows alike: the keys are
+    split so that at least about `programs` programs run (one decode row then spreads over the GPU)."""
     B, T, J, D = q.shape
     S = k.shape[1]
     if k.shape != (B, S, D) or k.dtype != q.dtype or w.shape != (B, T, J) or k_scale.shape != (B, S):
@@ -811,7 +811,8 @@ def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, SMALL, POS, T, S, K, CAPS, BLOC
 def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, cap=None, segments=None, programs=264,
                  stages=3, digits=2, few=256):
     """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
-    causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K.
+    causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K:
+    indexer.topk_indices_ref.
     Rows of at least 4 * sample keys first list the keys above a sampled threshold, in `segments`
     pieces per row (enough programs to fill the GPU for a few rows), each list at most cap keys.
     Then the K-th largest key of each row's lists (or whole row) by radix select, one program per row,
