@@ -19,6 +19,7 @@ import functools
 import numpy as np
 
 import quant
+import rope
 
 
 # -----------------------------------------------------------------------------
@@ -94,6 +95,23 @@ def index_scores_causal_ref(q, w, k, k_scale, start_pos):  # -> [B, T, S] f32, -
 def topk_indices_ref(I, K, start_pos):  # [B, T, S] f32 -> [B, T, K] int32
     """kernels_cuda.topk_indices: eq. (2)'s selection as positions, ascending, then -1 (selection_indices_ref)."""
     return selection_indices_ref(topk_select_ref(I, K, start_pos), K)
+
+
+def index_prep_ref(q, k, xw, cos, sin, ln_w, ln_b, k_cache, k_scale_cache, start_pos):
+    """kernels_cuda.index_prep: indexer_forward's official steps between the projections and eq. (1).
+    q [B, T, J, D], k [B, T, D] (bf16 values), xw [B, T, J] = x weights_proj^T, cos, sin [T, R/2], the
+    key LayerNorm's ln_w, ln_b [D] -> (q codes [B, T, J, D] e4m3, head weights w [B, T, J]); the keys'
+    codes and scales are written to k_cache [B, CAP, D], k_scale_cache [B, CAP] at start_pos + t."""
+    B, T, J, D = q.shape
+    R, rnd = 2 * cos.shape[-1], quant.bf16_round
+    q = np.concatenate([rnd(rope.rope_half_split(q[..., :R], cos, sin)), q[..., R:]], -1)   # rope part first
+    k = rnd(layer_norm_ref(k, ln_w, ln_b))
+    k = np.concatenate([rnd(rope.rope_half_split(k[:, :, None, :R], cos, sin))[:, :, 0], k[..., R:]], -1)
+    q8, q_scale = quant.act_quant(rnd(rotate_activation_ref(q)))                  # [B,T,J,D], [B,T,J,1]
+    k8, k_scale = quant.act_quant(rnd(rotate_activation_ref(k)))                  # [B,T,D], [B,T,1]
+    k_cache[:B, start_pos:start_pos + T], k_scale_cache[:B, start_pos:start_pos + T] = k8, k_scale[..., 0]
+    w = (np.asarray(xw, np.float32) * np.float32(J ** -0.5)) * q_scale[..., 0] * np.float32(D ** -0.5)  # head_weights_ref
+    return q8, w
 
 
 # -----------------------------------------------------------------------------

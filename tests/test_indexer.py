@@ -118,3 +118,33 @@ def test_kl_objectives(T, past, H, K, seed):
     # and strictly positive when they differ
     if S > 1:
         assert indexer.indexer_kl_dense(A_match, np.zeros_like(I) + np.arange(S, dtype=np.float32) * 3) > 0
+
+
+@given(st.integers(1, 2), st.integers(1, 4), st.integers(0, 5), st.sampled_from([4, 16]), st.integers(0, 2 ** 31))
+def test_index_prep_ref_is_indexer_forwards_official_steps(B, T, start_pos, J, seed):
+    # the kernel's contract (index_prep_ref) and the model's wiring (indexer_forward with the NumPy op
+    # table, official numerics, FP8 indexer) write the same key codes and scales and select the same keys
+    from types import SimpleNamespace
+    import rope
+    from model import NUMPY_OPS
+    rng = np.random.default_rng(seed)
+    D, R, d, K = 128, 64, 256, 3
+    bf = quant.bf16_round
+    x = bf(rng.standard_normal((B, T, d)))
+    q, k = bf(rng.standard_normal((B, T, J * D))), bf(rng.standard_normal((B, T, D)))
+    p = {"k_norm": (1 + 0.1 * rng.standard_normal(D)).astype(np.float32),
+         "k_norm_bias": (0.1 * rng.standard_normal(D)).astype(np.float32),
+         "weights_proj": quant.Weight(bf(rng.standard_normal((J, d)) / 16), None)}
+    cos, sin = rope.rope_angles(rope.yarn_freqs(R, 10000.0, 64, 64, 1.0, 32, 1), np.arange(start_pos, start_pos + T))
+    S = start_pos + T
+    earlier = rng.standard_normal((B, S, D)).astype(quant.E4M3)         # keys already cached before start_pos
+    caches = [SimpleNamespace(k=earlier.copy(), k_scale=np.ones((B, S), np.float32)) for _ in "ab"]
+    args = SimpleNamespace(index_n_heads=J, index_head_dim=D, qk_rope_head_dim=R, index_topk=K)
+    opts = SimpleNamespace(official=True, indexer_fp8=True, ops=NUMPY_OPS)
+    sel = indexer.indexer_forward(x, q, k, p, caches[0], start_pos, S, cos, sin, args, opts)
+    xw = x @ p["weights_proj"].dequant().T
+    q8, w = indexer.index_prep_ref(q.reshape(B, T, J, D), k, xw, cos, sin, p["k_norm"], p["k_norm_bias"],
+                                   caches[1].k, caches[1].k_scale, start_pos)
+    np.testing.assert_array_equal(caches[1].k.view(np.uint8), caches[0].k.view(np.uint8))
+    np.testing.assert_array_equal(caches[1].k_scale, caches[0].k_scale)
+    np.testing.assert_array_equal(indexer.select_ref(q8, w, caches[1].k, caches[1].k_scale, K, start_pos), sel)

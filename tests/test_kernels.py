@@ -424,8 +424,8 @@ def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits,
 @given(st.integers(1, 2), st.integers(1, 5), st.sampled_from([1, 4, 16, 20]), st.sampled_from([(128, 64), (128, 32)]),
        st.integers(0, 6), st.integers(-8, 8), st.integers(0, 2 ** 31))
 def test_index_prep_kernel(B, T, J, dims, start_pos, e, seed):
-    """The indexer's fused per-token steps against its NumPy steps (indexer.indexer_forward's unfused
-    branch): query codes, scales and head weights; the keys' codes and scales in the cache at
+    """The indexer's fused per-token steps against indexer.index_prep_ref (indexer_forward's unfused
+    branch, with the kernel's contract): query codes, scales and head weights; the keys' codes and scales in the cache at
     start_pos + t and nowhere else. The key's LayerNorm sums in another order than NumPy's, so its
     codes may differ by an e4m3 step where a bf16 rounding lands on the other side."""
     import indexer
@@ -446,19 +446,15 @@ def test_index_prep_kernel(B, T, J, dims, start_pos, e, seed):
     assert not ks.any()                                                     # nothing written
     q8, w = kernels_cuda.index_prep(P(q), P(k), P(xw), P(cos), P(sin), P(lnw), P(lnb), k8, ks,
                                     torch.tensor(start_pos, device=DEV) if seed % 2 else start_pos)
-    qr = np.concatenate([bf(rope.rope_half_split(q[..., :R], cos, sin)), q[..., R:]], -1)
-    q8r, qsr = quant.act_quant(bf(indexer.rotate_activation_ref(qr)))
-    kr = bf(indexer.layer_norm_ref(k, lnw, lnb))
-    kr = np.concatenate([bf(rope.rope_half_split(kr[:, :, None, :R], cos, sin))[:, :, 0], kr[..., R:]], -1)
-    k8r, ksr = quant.act_quant(bf(indexer.rotate_activation_ref(kr)))
+    k8c, ksc = np.zeros((B, cap, D), quant.E4M3), np.zeros((B, cap), np.float32)   # the reference's caches
+    q8r, w_ref = indexer.index_prep_ref(q, k, xw, cos, sin, lnw, lnb, k8c, ksc, start_pos)
     assert_codes(q8, q8r, "index_prep q")
-    w_ref = (xw * np.float32(J ** -0.5)) * qsr[..., 0] * np.float32(D ** -0.5)  # head_weights_ref, xw = x Wp^T
     np.testing.assert_array_equal(w.cpu().numpy(), w_ref)
-    got_s = ks[:B, start_pos:start_pos + T].cpu().numpy()
-    same = got_s == ksr[..., 0]                                              # a scale may double or halve
-    assert same.mean() >= 0.9 and np.all(same | (got_s == 2 * ksr[..., 0]) | (2 * got_s == ksr[..., 0]))
+    got_s, ksr = ks[:B, start_pos:start_pos + T].cpu().numpy(), ksc[:, start_pos:start_pos + T]
+    same = got_s == ksr                                                      # a scale may double or halve
+    assert same.mean() >= 0.9 and np.all(same | (got_s == 2 * ksr) | (2 * got_s == ksr))
     g = k8[:B, start_pos:start_pos + T].float().cpu().numpy()[same].astype(np.float64)
-    r = k8r.astype(np.float64)[same]
+    r = k8c[:, start_pos:start_pos + T].astype(np.float64)[same]
     big = np.maximum(np.maximum(np.abs(g), np.abs(r)), 2.0 ** -6)
     near = np.abs(g - r) <= np.exp2(np.floor(np.log2(big)) - 3)              # one e4m3 step
     if INTERPRETED:                                                         # and the interpreter's cast defect
