@@ -322,7 +322,7 @@ def tiny_config(**overrides):  # a config.json dict in the real checkpoint's sty
     return cfg
 
 
-def random_weights(cfg, seed=0, fp8_linear=None):  # config dict -> {HF name: array}, FP8 linears with scales
+def random_weights(cfg, seed=0, fp8_linear=None, progress=None):  # config dict -> {HF name: array}, FP8 linears with scales
     """Random weights in the checkpoint's dtypes. Linear weights ~ N(0, 1/fan_in) so activations keep
     their scale through depth; norms near 1; the router bias small and positive like a trained one.
     fp8_linear(n, k) -> (codes, scales) replaces the NumPy draw of the FP8 linears (gpu_fp8_linear:
@@ -350,7 +350,10 @@ def random_weights(cfg, seed=0, fp8_linear=None):  # config dict -> {HF name: ar
         t[name + ".weight"] = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     t["model.embed_tokens.weight"] = bf16(rng.standard_normal((V, D)))
-    for i in range(cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)):
+    n_layers = cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)
+    for i in range(n_layers):
+        if progress is not None:
+            progress(i, n_layers)
         p = f"model.layers.{i}."
         norm(p + "input_layernorm", D)
         norm(p + "post_attention_layernorm", D)
@@ -449,7 +452,13 @@ def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None, device=None):
         tiny_config(**REAL_DIMS, num_hidden_layers=real_layers, first_k_dense_replace=1)
     print(f"building the tiny checkpoint in {out_dir} (seed {seed})", file=sys.stderr)
     draw = gpu_fp8_linear(seed, device) if device else None
-    return write_checkpoint(out_dir, cfg, random_weights(cfg, seed, draw), n_shards=2 if real_layers is None else 8,
+
+    def progress(i, n):  # real-size layers take a minute or more each: say which one is being drawn
+        print(f"  drawing layer {i + 1}/{n}", file=sys.stderr, flush=True)
+    weights = random_weights(cfg, seed, draw, progress if real_layers is not None else None)
+    if real_layers is not None:
+        print(f"  writing {sum(a.nbytes for a in weights.values()) / 1e9:.1f} GB to {out_dir}", file=sys.stderr, flush=True)
+    return write_checkpoint(out_dir, cfg, weights, n_shards=2 if real_layers is None else 8,
                             extra_files=tokenizer_files() if tokenizer else None)
 
 

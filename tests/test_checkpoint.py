@@ -356,3 +356,13 @@ def test_bundled_checkpoint_bytes_are_the_same_everywhere(tmp_path):
     digest = {f.name: hashlib.sha256(f.read_bytes()).hexdigest()[:24] for f in sorted(out.glob("*.safetensors"))}
     assert digest == {"model-00001-of-00002.safetensors": "9e0d2a38023c530568b23ea9",
                       "model-00002-of-00002.safetensors": "4a78d93080839e73189b62d0"}
+
+
+def test_random_weights_report_progress_per_layer():
+    # real-size builds take minutes: build_tiny prints a line per layer drawn (progress), the same draws
+    cfg = checkpoint.tiny_config(num_hidden_layers=2, num_nextn_predict_layers=1)
+    seen = []
+    a = checkpoint.random_weights(cfg, 4, progress=lambda i, n: seen.append((i, n)))
+    assert seen == [(0, 3), (1, 3), (2, 3)]
+    b = checkpoint.random_weights(cfg, 4)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in a)
