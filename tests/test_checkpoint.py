@@ -366,3 +366,9 @@ def test_random_weights_report_progress_per_layer():
     assert seen == [(0, 3), (1, 3), (2, 3)]
     b = checkpoint.random_weights(cfg, 4)
     assert a.keys() == b.keys() and all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in a)
+
+
+def test_the_bundled_template_is_the_chat_modules():
+    # the builder reads chat_template.jinja itself (the loader does not import chat); the same text
+    import chat
+    assert json.loads(checkpoint.tokenizer_files()["tokenizer_config.json"])["chat_template"] == chat.chat_template()
