@@ -226,18 +226,17 @@ def load_layer(ck, i, args):  # -> nested dict of quant.Weight / float32 arrays 
     def vec(name):
         return np.asarray(ck.get(name, NORM), np.float32)
 
-    attn = {k: ck.weight(a + hf, LINEAR) for k, hf in (("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"),
-                                                          ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"),
-                                                          ("wo", "o_proj"))}
-    attn["q_norm"], attn["kv_norm"] = vec(a + "q_a_layernorm.weight"), vec(a + "kv_a_layernorm.weight")
+    short = checkpoint.SHORT_NAMES                   # HF name -> the official short name: the one table
+    attn = {short[hf]: ck.weight(a + hf, LINEAR) for hf in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                             "kv_b_proj", "o_proj")}
+    attn |= {short[hf]: vec(a + hf + ".weight") for hf in ("q_a_layernorm", "kv_a_layernorm")}
     attn["indexer"] = {"wq_b": ck.weight(a + "indexer.wq_b", LINEAR), "wk": ck.weight(a + "indexer.wk", LINEAR),
                        "k_norm": vec(a + "indexer.k_norm.weight"), "k_norm_bias": vec(a + "indexer.k_norm.bias"),
                        "weights_proj": ck.weight(a + "indexer.weights_proj", PLAIN)}
     m = pre + "mlp."
 
     def mlp(prefix):
-        return {"w1": ck.weight(prefix + "gate_proj", LINEAR), "w2": ck.weight(prefix + "down_proj", LINEAR),
-                "w3": ck.weight(prefix + "up_proj", LINEAR)}
+        return {short[hf]: ck.weight(prefix + hf, LINEAR) for hf in ("gate_proj", "down_proj", "up_proj")}
 
     if i < args.first_k_dense_replace:
         ffn = mlp(m)
@@ -247,8 +246,8 @@ def load_layer(ck, i, args):  # -> nested dict of quant.Weight / float32 arrays 
                "shared_experts": mlp(m + "shared_experts.")}
         if args.topk_method == "noaux_tc":                              # bias-corrected choice
             ffn["gate_bias"] = vec(m + "gate.e_score_correction_bias")
-    return {"attn_norm": vec(pre + "input_layernorm.weight"), "ffn_norm": vec(pre + "post_attention_layernorm.weight"),
-            "attn": attn, "ffn": ffn}
+    norms = {short[hf]: vec(pre + hf + ".weight") for hf in ("input_layernorm", "post_attention_layernorm")}
+    return {**norms, "attn": attn, "ffn": ffn}
 
 
 def check_shapes(w, args, path):  # every weight against the shape config.json implies
