@@ -117,21 +117,29 @@ def fp8_gemm_torch(a, sa, b, sb, block_size=128):  # quant.fp8_gemm in torch (fl
         return _fp8_gemm(a, sa, b, sb, block_size)
 
 
+PARTIAL_BYTES = 1 << 26     # the float64 partials of every K block, [Kb, rows, N], are made this many bytes at a time
+
+
 def _fp8_gemm(a, sa, b, sb, block_size):
     M, K = a.shape
     N = b.shape[0]
     Kb = -(-K // block_size)
-    a64, b64 = fp8_values(a, torch.float64), fp8_values(b, torch.float64)
+    b64 = fp8_values(b, torch.float64)
     if K % block_size:                                                   # a ragged last block: zero products
-        a64 = torch.nn.functional.pad(a64, (0, Kb * block_size - K))
         b64 = torch.nn.functional.pad(b64, (0, Kb * block_size - K))
-    partial = torch.bmm(a64.reshape(M, Kb, block_size).transpose(0, 1),    # [Kb, M, bs] @ [Kb, bs, N]
-                        b64.reshape(N, Kb, block_size).permute(1, 2, 0)).float()   # -> [Kb, M, N], fp32
+    b64 = b64.reshape(N, Kb, block_size).permute(1, 2, 0)                # [Kb, bs, N]
     sb_rows = sb.repeat_interleave(block_size, 0)[:N]                  # [N, Kb]
-    promoted = partial * (sa.T[:, :, None] * sb_rows.T[:, None, :])    # "2xAcc" promotion, per block
     acc = torch.zeros(M, N, dtype=torch.float32, device=a.device)
-    for kb in range(Kb):                                                 # K blocks ascending, as the reference
-        acc += promoted[kb]
+    rows = max(1, PARTIAL_BYTES // (8 * Kb * N))                         # rows are independent: chunks, same bits
+    for m0 in range(0, M, rows):
+        m = slice(m0, min(M, m0 + rows))
+        a64 = fp8_values(a[m], torch.float64)
+        if K % block_size:
+            a64 = torch.nn.functional.pad(a64, (0, Kb * block_size - K))
+        partial = torch.bmm(a64.reshape(-1, Kb, block_size).transpose(0, 1), b64).float()   # [Kb, rows, N], fp32
+        promoted = partial * (sa[m].T[:, :, None] * sb_rows.T[:, None, :])  # "2xAcc" promotion, per block
+        for kb in range(Kb):                                             # K blocks ascending, as the reference
+            acc[m] += promoted[kb]
     return acc
 
 

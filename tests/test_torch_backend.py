@@ -215,3 +215,17 @@ def test_cpu_fp8_decode_and_gemm_bit_for_bit():
         deq = backend_torch.dequant(quant.Weight(tw, torch.from_numpy(ws))).numpy()
         assert np.array_equal(deq.view(np.uint32), quant.weight_dequant(w, ws).view(np.uint32))
     assert torch.get_num_threads() == threads                          # cpu_threads_for gave the count back
+
+
+@pytest.mark.parametrize("budget", [1, 8 * 3 * 260 * 7, 1 << 26])
+def test_cpu_fp8_gemm_in_row_chunks_is_bit_for_bit(monkeypatch, budget):
+    # the float64 partials are made a bounded number of bytes at a time (one row, 7 rows, all 300):
+    # the same bits as quant.fp8_gemm, with a ragged K (384 = 3 blocks) and N (260)
+    import quant
+    rng = np.random.default_rng(1)
+    a, sa = quant.act_quant(rng.standard_normal((300, 384)).astype(np.float32))
+    w, sw = quant.weight_quant(rng.standard_normal((260, 384)).astype(np.float32))
+    T = lambda x: torch.from_numpy(np.ascontiguousarray(x.view(np.uint8))).view(torch.float8_e4m3fn)   # noqa: E731
+    monkeypatch.setattr(backend_torch, "PARTIAL_BYTES", budget)
+    got = backend_torch.fp8_gemm_torch(T(a), torch.from_numpy(sa), T(w), torch.from_numpy(sw)).numpy()
+    np.testing.assert_array_equal(got, quant.fp8_gemm(a, sa, w, sw))
