@@ -285,7 +285,7 @@ def main(argv=None):
     ap.add_argument("--debug", action="store_true", help="on an error, show the Python traceback, not one line")
     a = ap.parse_args(argv)
     try:
-        run(ap, a)
+        run(a)
     except KeyboardInterrupt:                             # Ctrl-C while loading, generating or at the prompt
         if a.debug:
             raise
@@ -298,7 +298,7 @@ def main(argv=None):
         raise SystemExit(2) from None
 
 
-def run(ap, a):  # main's work once the flags are parsed; bad input raises one of USER_ERRORS
+def run(a):  # main's work once the flags are parsed; bad input raises one of USER_ERRORS
     if a.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {a.max_new_tokens}: must be at least 1")
     if a.max_seq_len is not None and a.max_seq_len < 1:
