@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 import quant
+from quant_torch import F8, act_dequant, act_quant as act_quant_torch, dequant, fp8_gemm as fp8_gemm_torch, fp8_values, to_torch, unpack_latent
 
 F8 = torch.float8_e4m3fn
 SCORE_BYTES = 1 << 30       # the indexer's scores of a long prompt are computed in query chunks of this size
-SERIAL_BELOW = 1 << 22      # CPU work on fewer elements runs on one thread (cpu_threads_for)
 
 
 def kernels_for(device):  # the kernel module of a GPU, or None (CPU; or Triton missing)
@@ -41,132 +41,6 @@ def kernels_for(device):  # the kernel module of a GPU, or None (CPU; or Triton 
     except ImportError:
         return None
     return k
-
-
-# -----------------------------------------------------------------------------
-# NumPy (ml_dtypes) arrays -> torch tensors, without a float copy for FP8 and bf16
-
-def to_torch(a, device):  # one host copy (the source may be a read-only memory map), then to the device
-    a = np.asarray(a)
-    if a.dtype == quant.E4M3:
-        t = torch.from_numpy(np.array(a.view(np.uint8))).view(F8)
-    elif a.dtype == quant.BF16:
-        t = torch.from_numpy(np.array(a.view(np.uint16))).view(torch.bfloat16)
-    else:
-        t = torch.from_numpy(np.array(a))
-    return t.to(device)
-
-
-def ue8m0_ceil(v):  # float32 tensor > 0 -> 2^ceil(log2 v), from the bits (as quant.ue8m0_ceil)
-    bits = v.view(torch.int32)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return ((e + 127) << 23).view(torch.float32)
-
-
-def act_quant_torch(x, block_size=128, scale_fmt="ue8m0"):  # quant.act_quant in torch: [..., N] -> fp8, [..., N/bs]
-    x = x.float()
-    xb = x.reshape(*x.shape[:-1], -1, block_size)
-    amax = xb.abs().amax(-1).clamp_min(1e-4)
-    v = amax * (1 / 448)                          # one fp32 multiply by fp32(1/448) (no host tensor: capturable)
-    s = ue8m0_ceil(v) if scale_fmt == "ue8m0" else v
-    q = (xb / s[..., None]).clamp(-448, 448).to(F8)
-    return q.reshape(x.shape), s
-
-
-@contextlib.contextmanager
-def cpu_threads_for(t):
-    """CPU work on a tensor t of fewer than SERIAL_BELOW elements on one intra-op thread, then the
-    caller's count again. Such work takes well under a scheduler's time slice on one core, and a
-    parallel region waits for every thread of the pool: on a loaded machine one descheduled thread
-    stalls it (the tiny checkpoint's decode ran 10x slower on 2 threads than on 1 while other
-    processes ran). Bits do not change: the ops this wraps sum per element or in exact float64."""
-    n = torch.get_num_threads()
-    if t.device.type != "cpu" or n == 1 or t.numel() >= SERIAL_BELOW:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-_FP8_TABLES = {}            # (fp8 dtype, float dtype) -> the 256 values of its codes, on the CPU
-
-
-def fp8_values(codes, dtype=torch.float32):  # fp8 tensor -> its values in dtype (quant.fp8_decode)
-    """On the CPU through a 256-entry table, as quant.fp8_decode: torch's own fp8 -> float cast is
-    scalar there (about 6x slower than this gather). The table is that cast of every code, so the bits
-    are the cast's, NaN (0x7F, 0xFF) and subnormals included. Elsewhere the device's own cast."""
-    if codes.device.type != "cpu" or codes.element_size() != 1:
-        return codes.to(dtype)
-    key = (codes.dtype, dtype)
-    if key not in _FP8_TABLES:
-        _FP8_TABLES[key] = torch.arange(256, dtype=torch.uint8).view(codes.dtype).to(dtype)
-    flat = codes.reshape(-1).view(torch.uint8).int()                      # int32 indices: no int64 copy
-    return _FP8_TABLES[key].index_select(0, flat).view(codes.shape)
-
-
-def fp8_gemm_torch(a, sa, b, sb, block_size=128):  # quant.fp8_gemm in torch (float64 partials: exact)
-    """Every K block's partial sum in one batched float64 GEMM: a product of two fp8 values has 8
-    significant bits and is a multiple of 2^-18, and 128 of them sum to less than 2^25, so each
-    partial is exact in float64 whatever the order of summation (BLAS's blocking included). Then, as
-    the reference: fp32 rounding, the fp32 product of the two scales, fp32 accumulation K blocks
-    ascending."""
-    with cpu_threads_for(b):
-        return _fp8_gemm(a, sa, b, sb, block_size)
-
-
-PARTIAL_BYTES = 1 << 26     # the float64 partials of every K block, [Kb, rows, N], are made this many bytes at a time
-
-
-def _fp8_gemm(a, sa, b, sb, block_size):
-    M, K = a.shape
-    N = b.shape[0]
-    Kb = -(-K // block_size)
-    b64 = fp8_values(b, torch.float64)
-    if K % block_size:                                                   # a ragged last block: zero products
-        b64 = torch.nn.functional.pad(b64, (0, Kb * block_size - K))
-    b64 = b64.reshape(N, Kb, block_size).permute(1, 2, 0)                # [Kb, bs, N]
-    sb_rows = sb.repeat_interleave(block_size, 0)[:N]                  # [N, Kb]
-    acc = torch.zeros(M, N, dtype=torch.float32, device=a.device)
-    rows = max(1, PARTIAL_BYTES // (8 * Kb * N))                         # rows are independent: chunks, same bits
-    for m0 in range(0, M, rows):
-        m = slice(m0, min(M, m0 + rows))
-        a64 = fp8_values(a[m], torch.float64)
-        if K % block_size:
-            a64 = torch.nn.functional.pad(a64, (0, Kb * block_size - K))
-        partial = torch.bmm(a64.reshape(-1, Kb, block_size).transpose(0, 1), b64).float()   # [Kb, rows, N], fp32
-        promoted = partial * (sa[m].T[:, :, None] * sb_rows.T[:, None, :])  # "2xAcc" promotion, per block
-        for kb in range(Kb):                                             # K blocks ascending, as the reference
-            acc[m] += promoted[kb]
-    return acc
-
-
-def dequant(W):  # quant.Weight of tensors -> [N, K] float32 (quant.weight_dequant)
-    if W.scale is None:
-        return W.w.float()
-    with cpu_threads_for(W.w):
-        return _dequant(W)
-
-
-def _dequant(W):
-    N, K = W.w.shape
-    if K % 128 == 0:            # the column blocks by broadcasting, not an [N, K] copy of the scales
-        s = W.scale.repeat_interleave(128, 0)[:N]                                     # [N, K/128]
-        return (fp8_values(W.w).view(N, -1, 128) * s[:, :, None]).view(N, K)       # the same products
-    s = W.scale.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
-    return fp8_values(W.w) * s
-
-
-def unpack_latent(rows, C):  # [..., W] latent cache rows -> c^KV [..., C], k^R [..., R] float32
-    if rows.dtype != torch.uint8:
-        return rows[..., :C].float(), rows[..., C:].float()
-    G = C // 128
-    codes = rows[..., :C].contiguous().view(F8).float()
-    scale = rows[..., C:C + 4 * G].contiguous().view(torch.float32)
-    c = (codes.reshape(*codes.shape[:-1], G, 128) * scale[..., None]).reshape(codes.shape)
-    return c, rows[..., C + 4 * G:].contiguous().view(torch.bfloat16).float()
 
 
 def torch_ops(device, kernels=True, dsa=None):

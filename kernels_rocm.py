@@ -21,6 +21,7 @@ No AMD GPU was available to this project: these paths are checked in the Triton 
 import torch
 
 import kernels_cuda as _k
+import quant_torch
 
 ARCHS = {  # gfx name -> FP8 storage dtype, its maximum, decode in-kernel (no FP8 hardware), decode the
            # packed latent's e4m3fn bytes by integer arithmetic (no native OCP FP8 conversion)
@@ -56,8 +57,7 @@ def prepare_weight(w, scale, arch=None):  # checkpoint e4m3fn codes + scales -> 
 def act_quant(x, arch=None):
     a = ARCHS[arch or current_arch()]
     if a["decode"]:
-        import backend_torch
-        return backend_torch.act_quant_torch(x)
+        return quant_torch.act_quant(x)                             # no FP8 stores in Triton here
     return _k.act_quant(x, fp8=a["fp8"], fp8_max=a["fp8_max"])
 
 
@@ -90,8 +90,7 @@ def fp8_dtype(arch=None):  # what the indexer's FP8 key cache holds on this arch
 def latent_quant(x, arch=None):  # the packed latent rows hold e4m3fn codes (the format) on every architecture
     a = ARCHS[arch or current_arch()]
     if a["fnuz"] or a["decode"]:
-        import backend_torch
-        return backend_torch.act_quant_torch(x)
+        return quant_torch.act_quant(x)                             # no FP8 stores in Triton here
     return _k.act_quant(x)
 
 

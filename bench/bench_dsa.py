@@ -173,8 +173,8 @@ def main():
         kv, pe = randn(B * L, C), randn(B * L, R)
         if fmt == "bf16":
             return torch.cat([kv, pe], -1).to(torch.bfloat16).reshape(B, L, C + R), kv, pe
-        import backend_torch
-        q8, s = backend_torch.act_quant_torch(kv)
+        import quant_torch
+        q8, s = quant_torch.act_quant(kv)
         rows8 = torch.cat([q8.view(torch.uint8), s.view(torch.uint8), pe.to(torch.bfloat16).view(torch.uint8)], -1)
         return rows8.reshape(B, L, -1), kv, pe
 

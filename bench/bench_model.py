@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import backend_torch  # noqa: E402
 import checkpoint  # noqa: E402
 import quant  # noqa: E402
+import quant_torch  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
 REAL = dict(checkpoint.REAL_DIMS, quantization_config={"quant_method": "fp8", "scale_fmt": "ue8m0"})
@@ -35,7 +36,7 @@ def random_weights(args, dev, bf16, gen):
         w = torch.randn(n, k, device=dev, generator=gen).to(torch.float8_e4m3fn)
         s = torch.full((-(-n // 128), -(-k // 128)), 2.0 ** -round(0.5 * __import__("math").log2(k)), device=dev)
         if bf16:                                              # the baseline: the same values in bf16, no scales
-            return quant.Weight(backend_torch.dequant(quant.Weight(w, s)).to(torch.bfloat16), None)
+            return quant.Weight(quant_torch.dequant(quant.Weight(w, s)).to(torch.bfloat16), None)
         return quant.Weight(w, s)
 
     def vec(n):

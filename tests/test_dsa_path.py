@@ -14,6 +14,7 @@ import checkpoint
 import indexer
 import kernels_cuda
 import quant
+import quant_torch
 from conftest import HAS_CUDA
 from helpers import rel_err
 from model import Transformer
@@ -74,7 +75,7 @@ def test_latent_cache_rows_hold_the_official_round_trip():
     buf = ops.latent_cache(B, 8, args, True)
     assert buf.dtype == torch.uint8 and buf.shape == (B, 8, kernels_cuda.latent_width(C, R))
     ops.store_latent(buf, 2, torch.from_numpy(c_kv).to(DEV), torch.from_numpy(k_pe).to(DEV), B, T)
-    c, pe = backend_torch.unpack_latent(buf[:, 2:2 + T], C)
+    c, pe = quant_torch.unpack_latent(buf[:, 2:2 + T], C)
     np.testing.assert_array_equal(c.cpu().numpy(), attention.latent_fp8_roundtrip_ref(c_kv))
     np.testing.assert_array_equal(pe.cpu().numpy(), k_pe)
     assert not buf[:, :2].any() and not buf[:, 2 + T:].any()                 # nothing written elsewhere

@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 
 import backend_torch
 import checkpoint
+import quant_torch
 from conftest import HAS_CUDA, gpu
 from helpers import rel_err
 from model import Transformer
@@ -193,9 +194,9 @@ def test_cpu_fp8_decode_and_gemm_bit_for_bit():
     ragged K and N included."""
     import quant
     codes = np.arange(256, dtype=np.uint8)
-    t = torch.from_numpy(codes).view(backend_torch.F8)
+    t = torch.from_numpy(codes).view(quant_torch.F8)
     for dt in (torch.float32, torch.float64):
-        got = backend_torch.fp8_values(t.reshape(16, 16), dt).reshape(-1).numpy()
+        got = quant_torch.fp8_values(t.reshape(16, 16), dt).reshape(-1).numpy()
         want = codes.view(quant.E4M3).astype(got.dtype)
         assert np.isnan(got[[0x7F, 0xFF]]).all() and np.array_equal(got, want, equal_nan=True)
         assert np.array_equal(got, t.to(dt).numpy(), equal_nan=True)
@@ -209,10 +210,10 @@ def test_cpu_fp8_decode_and_gemm_bit_for_bit():
         q, s = quant.act_quant(np.pad(x, ((0, 0), (0, K128 - K))))
         q = q[:, :K]
         want = quant.fp8_gemm(q, s, w, ws)
-        tq, tw = backend_torch.to_torch(q, "cpu"), backend_torch.to_torch(w, "cpu")
-        got = backend_torch.fp8_gemm_torch(tq, torch.from_numpy(s), tw, torch.from_numpy(ws)).numpy()
+        tq, tw = quant_torch.to_torch(q, "cpu"), quant_torch.to_torch(w, "cpu")
+        got = quant_torch.fp8_gemm(tq, torch.from_numpy(s), tw, torch.from_numpy(ws)).numpy()
         assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
-        deq = backend_torch.dequant(quant.Weight(tw, torch.from_numpy(ws))).numpy()
+        deq = quant_torch.dequant(quant.Weight(tw, torch.from_numpy(ws))).numpy()
         assert np.array_equal(deq.view(np.uint32), quant.weight_dequant(w, ws).view(np.uint32))
     assert torch.get_num_threads() == threads                          # cpu_threads_for gave the count back
 
@@ -226,6 +227,6 @@ def test_cpu_fp8_gemm_in_row_chunks_is_bit_for_bit(monkeypatch, budget):
     a, sa = quant.act_quant(rng.standard_normal((300, 384)).astype(np.float32))
     w, sw = quant.weight_quant(rng.standard_normal((260, 384)).astype(np.float32))
     T = lambda x: torch.from_numpy(np.ascontiguousarray(x.view(np.uint8))).view(torch.float8_e4m3fn)   # noqa: E731
-    monkeypatch.setattr(backend_torch, "PARTIAL_BYTES", budget)
-    got = backend_torch.fp8_gemm_torch(T(a), torch.from_numpy(sa), T(w), torch.from_numpy(sw)).numpy()
+    monkeypatch.setattr(quant_torch, "PARTIAL_BYTES", budget)
+    got = quant_torch.fp8_gemm(T(a), torch.from_numpy(sa), T(w), torch.from_numpy(sw)).numpy()
     np.testing.assert_array_equal(got, quant.fp8_gemm(a, sa, w, sw))
