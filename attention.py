@@ -11,7 +11,7 @@ Two formulations of one attention (official code's split, spec/dsv32.md §3.7-3.
 - absorbed MQA mode (single-token decode): fold W^UK into the query and W^UV after the weighted sum,
   so attention runs against the latent cache itself (one "KV head" of width r_kv + R).
 They agree in exact arithmetic; in official numerics they round differently (both reproduced).
-On a GPU with the DSA kernels (opts.fused) the absorbed form serves every chunk, over the selected
+On a GPU with the DSA kernels (ops.fused) the absorbed form serves every chunk, over the selected
 rows of a packed latent cache (backend_torch.latent_attention), as deployed engines run it.
 
 Letters: B batch, T query tokens, S keys (start_pos + T), H heads, C = r_kv latent width,
@@ -43,17 +43,24 @@ def mha_ref(q_nope, q_pe, k_nope, k_pe, v, allowed, scale, rnd):
     return rnd(p @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)                # [B, T, H, V]
 
 
-def mqa_absorbed_ref(q_nope, q_pe, kv, pe, Wb, allowed, scale, rnd):
-    """Absorbed mode: [B,T,H,N], [B,T,H,R], [B,S,C], [B,S,R], [H, N+V, C], [B,T,S] -> [B,T,H,V]."""
-    N = q_nope.shape[-1]
-    qa = rnd(np.einsum("bthn,hnc->bthc", q_nope, Wb[:, :N]))             # q^C W^UK: query in latent space
+def absorb_ref(wkv_b, H, N, official):  # Weight [H (N + V), C] -> W^UK [H, N, C], W^UV [H, V, C] (at load)
+    """W^UKV per head, split into its key and value halves for the absorbed form; official numerics
+    hold it in bf16 (the official code's dequantized wkv_b)."""
+    Wb = (quant.bf16_round if official else quant.no_round)(wkv_b.dequant())
+    Wb = Wb.reshape(H, -1, Wb.shape[-1])                                  # [H, N + V, C]
+    return Wb[:, :N], Wb[:, N:]
+
+
+def mqa_absorbed_ref(q_nope, q_pe, kv, pe, W_UK, W_UV, allowed, scale, rnd):
+    """Absorbed mode: [B,T,H,N], [B,T,H,R], [B,S,C], [B,S,R], [H,N,C], [H,V,C], [B,T,S] -> [B,T,H,V]."""
+    qa = rnd(np.einsum("bthn,hnc->bthc", q_nope, W_UK))                   # q^C W^UK: query in latent space
     s_c = rnd(np.einsum("bthc,bsc->bhts", qa, kv))                        # against the latent cache
     s_r = rnd(np.einsum("bthr,bsr->bhts", q_pe, pe))                      # against the shared rope key
     scores = rnd(rnd(s_c + s_r) * np.float32(scale))
     scores = np.where(allowed[:, None], scores, -np.inf)
     p = rnd(softmax_ref(scores))                                          # [B, H, T, S]
     o = rnd(np.einsum("bhts,bsc->bthc", p, kv))                           # weighted latent
-    return rnd(np.einsum("bthc,hvc->bthv", o, Wb[:, N:]))                 # W^UV after the sum
+    return rnd(np.einsum("bthc,hvc->bthv", o, W_UV))                      # W^UV after the sum
 
 
 def rms_norm_ref(x, w, eps, rnd):  # [..., D] -> [..., D]: rnd(w * x / rms(x)), computed in fp32
@@ -77,7 +84,8 @@ def store_ref(buf, start_pos, value, B, T):  # cache[:B, start_pos:start_pos+T] 
 def mla_forward(x, p, cache, start_pos, S, cos, sin, args, opts):
     """One attention layer: x [B, T, d] -> [B, T, d]; writes this chunk into `cache` at start_pos and
     attends over its first S slots (S = start_pos + T; a captured decode passes the capacity).
-    opts: official, sparse, indexer_fp8 (bools) and ops, the backend's op table (model.py)."""
+    p: this layer's weights, with W^UK, W^UV made at load; opts: official, sparse, indexer_fp8 (bools),
+    record (None, or --verify's dict) and ops, the backend's op table (ops.Ops)."""
     B, T, _ = x.shape
     H, N, R, V, C = (args.num_attention_heads, args.qk_nope_head_dim, args.qk_rope_head_dim,
                      args.v_head_dim, args.kv_lora_rank)
@@ -99,8 +107,7 @@ def mla_forward(x, p, cache, start_pos, S, cos, sin, args, opts):
     # keys and values: the compressed latent c^KV [B, T, C] and the shared rope key k^R [B, T, R]
     c_kv = ops.rms_norm(kv[..., :C], p["kv_norm"], args.rms_norm_eps, rnd)        # [B, T, C]
     k_pe = rnd(ops.rope_interleaved(kv[:, :, None, C:], cos, sin))[:, :, 0]       # [B, T, R]
-    fused = getattr(opts, "fused", False)               # the GPU's DSA kernels (backend_torch)
-    if fused:      # one packed row per token: FP8 latent + scales (official; lossless) + rope
+    if ops.fused:  # the GPU's DSA kernels: one packed row per token, FP8 latent + scales (official; lossless) + rope
         ops.store_latent(cache.latent, start_pos, c_kv, k_pe, B, T)
     else:
         if off:
@@ -112,19 +119,18 @@ def mla_forward(x, p, cache, start_pos, S, cos, sin, args, opts):
     if opts.sparse:
         allowed = indexer.indexer_forward(x, q_idx[0], k_idx[0], idx, cache.idx, start_pos, S, cos, sin, args, opts)
         if opts.record is not None:                     # --verify: the selection, layer by layer
-            opts.record.setdefault("selected", []).append(ops.selection_mask(allowed, start_pos, S) if fused else allowed)
+            opts.record.setdefault("selected", []).append(
+                ops.selection_mask(allowed, start_pos, S) if ops.fused else allowed)
     else:  # dense: V3.1-Terminus behaviour on the same weights (the indexer is not run)
-        allowed = None if fused else ops.causal_mask(B, T, start_pos, S)          # [B, T, S]; None: all causal
+        allowed = None if ops.fused else ops.causal_mask(B, T, start_pos, S)      # [B, T, S]; None: all causal
 
-    if fused:  # absorbed form for every chunk (as deployed engines), over the selected rows (DESIGN.md)
+    if ops.fused:  # absorbed form for every chunk (as deployed engines), over the selected rows (DESIGN.md)
         o = ops.latent_attention(q_nope, q_pe, cache.latent, allowed, p, start_pos, S, args, rnd)
         return ops.linear(o.reshape(B, T, H * V), p["wo"], off)                    # W^O
     kv_all, pe_all = cache.kv[:B, :S], cache.pe[:B, :S]
     if T > 1:  # MHA mode: expand the whole cached latent (chunks after position 0 see the cache too)
         kvb = ops.linear(kv_all, p["wkv_b"], off).reshape(B, S, H, N + V)         # W^UK c, W^UV c
         o = ops.mha(q_nope, q_pe, kvb[..., :N], pe_all, kvb[..., N:], allowed, args.softmax_scale, rnd)
-    else:      # absorbed MQA mode: W^UKV dequantized once (bf16 in official numerics) and kept
-        if "wkv_b_absorbed" not in p:
-            p["wkv_b_absorbed"] = rnd(ops.dequant(p["wkv_b"])).reshape(H, N + V, C)
-        o = ops.mqa_absorbed(q_nope, q_pe, kv_all, pe_all, p["wkv_b_absorbed"], allowed, args.softmax_scale, rnd)
+    else:      # absorbed MQA mode: W^UK and W^UV made at load (model.derive_weights)
+        o = ops.mqa_absorbed(q_nope, q_pe, kv_all, pe_all, p["W_UK"], p["W_UV"], allowed, args.softmax_scale, rnd)
     return ops.linear(o.reshape(B, T, H * V), p["wo"], off)                        # W^O

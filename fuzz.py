@@ -13,7 +13,7 @@ the defaults. A crash is an exception a target lets out; libFuzzer saves its inp
     header  checkpoint.read_header on the bytes after the first as a file, or (first byte odd) on a
             file of tensors with fields set to JSON values drawn from them: returns or raises
             CheckpointError, and what it returns holds: offsets in the file, sizes fit dtype and shape
-    config  model.ModelArgs.from_config on the bytes after the first as JSON (any value), or (first
+    config  config.ModelArgs.from_config on the bytes after the first as JSON (any value), or (first
             byte odd) on tiny_config() with fields set to JSON values drawn from them: returns or
             raises ValueError; a returned config has a finite positive softmax scale
     v32exp, dsml32, dsml4
@@ -44,11 +44,11 @@ except ImportError:                                  # the smoke tests run the t
     atheris = None
 
 # instrumented for coverage only when fuzzing; instrument_imports must see the first import
-with atheris.instrument_imports(include=["chat", "checkpoint", "model", "rope"]) \
+with atheris.instrument_imports(include=["chat", "checkpoint", "config", "rope"]) \
         if atheris and __name__ == "__main__" else contextlib.nullcontext():
     import chat
     import checkpoint
-    import model
+    import config
 
 # -----------------------------------------------------------------------------
 # header: checkpoint.read_header
@@ -104,7 +104,7 @@ def header_seeds():
 
 
 # -----------------------------------------------------------------------------
-# config: model.ModelArgs.from_config
+# config: config.ModelArgs.from_config
 
 class Draw:
     """Values drawn from the input's bytes, in order; zeros once they run out, so any input is valid."""
@@ -138,7 +138,7 @@ class Draw:
         return self.data[self.i:self.i + self.int() % 8].decode("utf-8", "replace")
 
 
-CONFIG_KEYS = sorted(set(checkpoint.tiny_config()) | set(model.ModelArgs.REQUIRED)
+CONFIG_KEYS = sorted(set(checkpoint.tiny_config()) | set(config.ModelArgs.REQUIRED)
                      | {"max_seq_len", "softmax_scale", "rope_type", "factor", "original_max_position_embeddings",
                         "mscale", "type", "quant_method", "weight_block_size"})
 
@@ -165,7 +165,7 @@ def fuzz_config(data):
         except (ValueError, RecursionError):             # not JSON: checkpoint.read_json's business
             return
     try:
-        args = model.ModelArgs.from_config(cfg)
+        args = config.ModelArgs.from_config(cfg)
     except ValueError:
         return
     assert math.isfinite(args.softmax_scale) and args.softmax_scale > 0, args.softmax_scale

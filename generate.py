@@ -105,7 +105,7 @@ class ChatPrinter:
 def _on_cuda(model):  # a torch model on a CUDA GPU in official numerics: its decode step is capturable
     opts = getattr(model, "opts", None)
     ops = getattr(opts, "ops", None)
-    return getattr(ops, "name", "") == "torch" and ops.device.type == "cuda" and opts.official
+    return ops is not None and ops.name == "torch" and ops.device.type == "cuda" and opts.official
 
 
 def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, on_token=None, reuse=0,

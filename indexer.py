@@ -125,17 +125,17 @@ def indexer_forward(x, q, k, p, cache, start_pos, S, cos, sin, args, opts):
     p: this layer's indexer weights; cache: its key cache (written at start_pos..start_pos+T; the
     first S slots are scored, S = start_pos + T except in a captured decode, where S is the cache's
     capacity and the causal mask hides the slots not written yet);
-    opts: official, indexer_fp8 and ops, the backend's op table (model.py)."""
+    opts: official, indexer_fp8 and ops, the backend's op table (ops.Ops)."""
     B, T, _ = x.shape
     J, D, R = args.index_n_heads, args.index_head_dim, args.qk_rope_head_dim
     ops, off = opts.ops, opts.official
     rnd = ops.bf16_round if off else ops.no_round
     q = q.reshape(B, T, J, D)                                                       # q^I_{t,j}; k: k^I_s before its norm
-    if off and opts.indexer_fp8 and getattr(ops, "index_prep", None) is not None:
-        # a GPU: the steps below as one kernel (kernels_cuda.index_prep), the keys written to the cache
+    if off and opts.indexer_fp8 and ops.index_prep is not None:
+        # a GPU: the steps below as one kernel (index_prep_ref's contract), the keys written to the cache
         q, w = ops.index_prep(x, q, k, p, cache, start_pos, cos, sin)
         return ops.select(q, w, cache.k[:B, :S], cache.k_scale[:B, :S], args.index_topk, start_pos,
-                          indices=getattr(opts, "fused", False))          # a mask unless attention takes indices
+                          indices=ops.fused)                    # a mask unless attention takes indices
     # rope part FIRST here (MLA puts it last); half-split layout (official fix of 2025-11-17)
     q = ops.cat([rnd(ops.rope_half_split(q[..., :R], cos, sin)), q[..., R:]], -1)
     k = rnd(ops.layer_norm(k, p["k_norm"], p["k_norm_bias"]))                        # k^I_s [B, T, D]
@@ -151,7 +151,7 @@ def indexer_forward(x, q, k, p, cache, start_pos, S, cos, sin, args, opts):
     ops.store(cache.k_scale, start_pos, k_scale, B, T)
     w = ops.head_weights(x, p["weights_proj"], q_scale, J, D)                     # w^I_{t,j} [B, T, J]
     return ops.select(q, w, cache.k[:B, :S], cache.k_scale[:B, :S], args.index_topk, start_pos,   # eqs. (1)-(2)
-                      indices=getattr(opts, "fused", False))
+                      indices=ops.fused)
 
 
 def select_ref(q, w, k, k_scale, K, start_pos, indices=False):  # eq. (1) then eq. (2)

@@ -1180,3 +1180,21 @@ def sparse_mla_prefill(qa, q_pe, cache, idx, scale, start_pos, S=None, out_dtype
     heads) over its whole selected set, the output written directly in out_dtype (no combine)."""
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], 1,
                        out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp)
+
+
+# -----------------------------------------------------------------------------
+# What differs by GPU vendor, as kernels_rocm.py states it for AMD: on NVIDIA the checkpoint's own format
+
+def prepare_weight(w, scale):  # checkpoint e4m3fn codes + scales -> this GPU's storage: unchanged
+    return w, scale
+
+
+def fp8_dtype():  # what the indexer's FP8 key cache holds
+    return FP8
+
+
+latent_quant = act_quant        # the packed latent rows' e4m3fn codes and scales (spec/kernels.md §3.4)
+
+
+def fp8_stores():  # Triton stores FP8 here (index_prep runs)
+    return True

@@ -1,4 +1,5 @@
-"""DeepSeek-V3.2-Exp: the Transformer (embedding -> blocks -> norm -> head) with explicit caches.
+"""DeepSeek-V3.2-Exp: the Transformer (embedding -> blocks -> norm -> head) with explicit caches, and
+loading it from a checkpoint folder.
 
 A block is RMSNorm -> MLA under DSA (attention.py, indexer.py) -> RMSNorm -> MLP or MoE (moe.py), with
 the official fused residual: each norm adds its input to the residual in fp32, normalises that sum
@@ -10,202 +11,31 @@ Numerics, set at load time:
 - "exact": float32 throughout on dequantized weights, and by default the exact float32 indexer
   (what transformers computes): the mode for oracle work.
 
-Backends: every numerical op goes through one op table, NUMPY_OPS here (the _ref functions, the
-definition of the model) or backend_torch.torch_ops(device); the wiring below is written once. A
-table with the GPU's DSA kernels (ops.fused) keeps selections as indices and the latent cache as
-packed rows (LayerCache), which attention.mla_forward routes through its one fused branch. A table
-with ops.fuse_rows lays the linears that share an input out as row blocks of one weight at load
-(wq_a | wkv_a | the indexer's wk, and wq_b | the indexer's wq_b) for ops.linears' one GEMM per group.
+Backends: every numerical op goes through one op table (ops.Ops, the contract): ops.NUMPY_OPS (the
+_ref functions, the definition of the model) or backend_torch.torch_ops(device); the wiring below is
+written once. A table with the GPU's DSA kernels (ops.fused) keeps selections as indices and the
+latent cache as packed rows (LayerCache), which attention.mla_forward routes through its one fused
+branch. At load (derive_weights), a table with ops.fuse_rows lays the linears that share an input out
+as row blocks of one weight (wq_a | wkv_a | the indexer's wk, and wq_b | the indexer's wq_b) for
+ops.linears' one GEMM per group, and the copies the math reads are made once: W^UK and W^UV of the
+absorbed form, the fp32 head and indexer weights.
+
+The configuration is config.py's ModelArgs; the checkpoint reader is checkpoint.py.
 
 Letters: B batch, T new tokens, S = start_pos + T keys, d hidden_size, V vocab_size.
 """
 import dataclasses
-import math
-import typing
-from dataclasses import dataclass, field, fields
 from pathlib import Path
-from types import NoneType, SimpleNamespace
+from types import SimpleNamespace
 
 import numpy as np
 
 import attention
 import checkpoint
-import indexer
-import moe
 import quant
 import rope
-
-
-@dataclass
-class ModelArgs:
-    """The checkpoint's config.json, keys unchanged. Comments: paper symbol (official demo name)."""
-    vocab_size: int = 129280              # |V| (vocab_size)
-    hidden_size: int = 7168               # d (dim)
-    intermediate_size: int = 18432        # dense FFN width (inter_dim)
-    moe_intermediate_size: int = 2048     # routed expert width (moe_inter_dim)
-    num_hidden_layers: int = 61           # L (n_layers); layer L is the MTP module, not built
-    first_k_dense_replace: int = 3        # leading dense-FFN layers (n_dense_layers)
-    num_attention_heads: int = 128        # n_h (n_heads)
-    n_routed_experts: int = 256           # N_r (n_routed_experts)
-    n_shared_experts: int = 1             # N_s (n_shared_experts)
-    num_experts_per_tok: int = 8          # K_r (n_activated_experts)
-    n_group: int = 8                      # expert groups (n_expert_groups)
-    topk_group: int = 4                   # groups kept per token (n_limited_groups)
-    routed_scaling_factor: float = 2.5    # route scale (route_scale)
-    scoring_func: str = "sigmoid"         # s_{i,t} = sigmoid(u . e) (score_func)
-    topk_method: str = "noaux_tc"         # noaux_tc: bias-corrected choice b_i (Gate.bias)
-    norm_topk_prob: bool = True           # normalise the K gate weights to sum 1
-    q_lora_rank: int = 1536               # d'_c (q_lora_rank)
-    kv_lora_rank: int = 512               # d_c (kv_lora_rank)
-    qk_nope_head_dim: int = 128           # d_h (qk_nope_head_dim)
-    qk_rope_head_dim: int = 64            # d^R_h (qk_rope_head_dim)
-    v_head_dim: int = 128                 # d_h for values (v_head_dim)
-    index_n_heads: int = 64               # H^I (index_n_heads)
-    index_head_dim: int = 128             # d^I (index_head_dim)
-    index_topk: int = 2048                # k in Top-k(I_{t,:}) (index_topk)
-    rms_norm_eps: float = 1e-6            # RMSNorm epsilon (hard-coded in the demo)
-    rope_theta: float = 10000.0           # RoPE base (rope_theta)
-    rope_scaling: dict | None = field(default_factory=dict)   # YaRN: factor, original_max_position_embeddings, beta_*, mscale
-    max_position_embeddings: int = 163840  # longest context the checkpoint claims
-    quantization_config: dict | None = None   # fp8 e4m3, ue8m0 scales, 128x128 blocks
-    bos_token_id: int = 0                 # <｜begin▁of▁sentence｜>
-    eos_token_id: int = 1                 # <｜end▁of▁sentence｜>, ends generation
-    num_nextn_predict_layers: int = 0     # MTP modules stored after the main layers (skipped)
-    hidden_act: str = "silu"              # SwiGLU's gate activation (checked: silu only)
-    attention_bias: bool = False          # MLA projections carry no bias (checked)
-    tie_word_embeddings: bool = False     # separate embedding and head (checked)
-    moe_layer_freq: int = 1               # every layer after the dense ones is MoE (checked)
-    num_key_value_heads: int = 128        # unused by MLA (its latent is shared by all heads)
-    ep_size: int = 1                      # training-time expert parallelism; unused here
-    attention_dropout: float = 0.0        # training only; unused
-    initializer_range: float = 0.02       # training only; unused
-    architectures: list = field(default_factory=list)   # bookkeeping of the HF checkpoint; unused
-    model_type: str = "deepseek_v32"
-    torch_dtype: str = "bfloat16"
-    transformers_version: str = ""
-    use_cache: bool = True
-    # derived in __post_init__
-    max_seq_len: int | None = None        # this run's context (default max_position_embeddings)
-    softmax_scale: float = 0.0            # d_qk^-0.5 * mscale^2 (with YaRN)
-
-    REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
-                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
-                "index_head_dim", "index_topk", "intermediate_size")
-
-    @classmethod
-    def from_config(cls, cfg, where="config.json", **run):
-        """Build from a config.json dict; unknown keys are ignored, missing required keys named, every
-        known key's JSON type and range checked: whatever the JSON, only ValueError escapes."""
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {checkpoint.json_type(cfg)}")
-        missing = [k for k in cls.REQUIRED if k not in cfg]
-        if missing:
-            raise ValueError(f"{where}: missing required field(s) {', '.join(missing)}")
-        if "max_seq_len" in run:                          # this run's option, not config.json's
-            _need("max_seq_len", run["max_seq_len"], (int,), low=1)
-        known = {f.name for f in fields(cls)} - {"max_seq_len", "softmax_scale"}
-        kw = {k: v for k, v in cfg.items() if k in known}
-        try:
-            return cls(**kw, **run)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: {e}") from None
-
-    def __post_init__(self):
-        for f in fields(self):                                # JSON types, from the annotations above
-            _need(f.name, getattr(self, f.name), typing.get_args(f.type) or (f.type,))
-        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
-                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
-                    "index_head_dim", "index_topk", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
-                    "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group", "max_position_embeddings")
-        for k in positive:
-            _need(k, getattr(self, k), (int,), low=1)
-        for k in ("first_k_dense_replace", "bos_token_id", "eos_token_id", "num_nextn_predict_layers"):
-            _need(k, getattr(self, k), (int,), low=0)
-        for k in ("routed_scaling_factor", "rms_norm_eps"):
-            _need(k, getattr(self, k), (float,), low=0, strict=True)
-        _need("rope_theta", self.rope_theta, (float,), low=1, strict=True)    # log(theta) divides in YaRN
-        self.rope_scaling = {} if self.rope_scaling is None else self.rope_scaling   # HF writes null for none
-        for k, t, low in (("factor", float, 0), ("original_max_position_embeddings", int, 1), ("beta_fast", float, 0),
-                          ("beta_slow", float, 0), ("mscale", float, None), ("mscale_all_dim", float, None),
-                          ("type", str, None), ("rope_type", str, None)):
-            if k in self.rope_scaling:
-                _need(f"rope_scaling.{k}", self.rope_scaling[k], (t,), low, strict=t is float)
-        for k, t in (("quant_method", str), ("fmt", str), ("scale_fmt", str), ("activation_scheme", str),
-                     ("weight_block_size", list)):
-            if k in (self.quantization_config or {}):
-                _need(f"quantization_config.{k}", self.quantization_config[k], (t,))
-        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
-            raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and fit in index_head_dim")
-        if self.index_head_dim & (self.index_head_dim - 1) or self.index_head_dim % quant.BLOCK:
-            raise ValueError(f"index_head_dim {self.index_head_dim} must be a power of two and a multiple of 128 "
-                             "(Hadamard rotation, one FP8 scale per head)")
-        if self.kv_lora_rank % quant.BLOCK:
-            raise ValueError(f"kv_lora_rank {self.kv_lora_rank} must be a multiple of 128 (FP8 latent groups)")
-        if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
-            raise ValueError(f"n_group {self.n_group} must divide n_routed_experts {self.n_routed_experts} "
-                             f"and be >= topk_group {self.topk_group}")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError("num_experts_per_tok exceeds n_routed_experts")
-        unsupported = {"hidden_act": (self.hidden_act, "silu"), "attention_bias": (self.attention_bias, False),
-                       "tie_word_embeddings": (self.tie_word_embeddings, False), "moe_layer_freq": (self.moe_layer_freq, 1)}
-        for k, (got, want) in unsupported.items():
-            if got != want:
-                raise ValueError(f"{k}={got!r} is not a DeepSeek-V3.2 architecture this code implements (expects {want!r})")
-        if self.topk_method not in ("noaux_tc", "greedy"):
-            raise ValueError(f"topk_method {self.topk_method!r} is not noaux_tc (bias-corrected) or greedy")
-        if self.scoring_func not in ("sigmoid", "softmax"):
-            raise ValueError(f"scoring_func {self.scoring_func!r} is not sigmoid or softmax")
-        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            raise ValueError(f"first_k_dense_replace {self.first_k_dense_replace} is outside 0..num_hidden_layers")
-        if self.max_seq_len is None:                      # not 0: an explicit 0 is an error, not the default
-            self.max_seq_len = self.max_position_embeddings
-        _need("max_seq_len", self.max_seq_len, (int,), low=1)
-        self.softmax_scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
-        if self.yarn_active:
-            m = rope.yarn_mscale(self.rope_factor, self.rope_scaling.get("mscale", 1.0))
-            self.softmax_scale *= m * m                                   # mscale enters squared
-            if not (math.isfinite(self.softmax_scale) and self.softmax_scale > 0):
-                raise ValueError(f"rope_scaling.mscale {self.rope_scaling.get('mscale', 1.0)!r} with factor "
-                                 f"{self.rope_factor} gives softmax scale {self.softmax_scale}, not a positive number")
-
-    @property
-    def original_seq_len(self):
-        return self.rope_scaling.get("original_max_position_embeddings", self.max_position_embeddings)
-
-    @property
-    def rope_factor(self):
-        return float(self.rope_scaling.get("factor", 1.0))
-
-    @property
-    def yarn_active(self):  # the official condition: the run's context exceeds the trained one
-        return self.rope_scaling.get("type", self.rope_scaling.get("rope_type")) == "yarn" \
-            and self.max_seq_len > self.original_seq_len
-
-    @property
-    def fp8(self):
-        q = self.quantization_config or {}
-        return q.get("quant_method") == "fp8"
-
-
-MAX_INT = 2 ** 63 - 1       # an int64: every integer the model computes with fits NumPy's int64 and a float
-
-
-def _need(name, v, types, low=None, strict=False):  # one config value: JSON type(s), finite, optional bound
-    def fits(t):
-        if t is NoneType:
-            return v is None
-        if t in (int, float) and isinstance(v, int) and not isinstance(v, bool):   # JSON true is a Python int
-            return -MAX_INT <= v <= MAX_INT
-        return t is float and isinstance(v, float) and math.isfinite(v) or t not in (int, float) and isinstance(v, t)
-    if any(fits(t) for t in types) and (low is None or v is None or (v > low if strict else v >= low)):
-        return
-    words = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string",
-             dict: "an object", list: "an array", NoneType: "null"}
-    want = " or ".join(words[t] for t in types)
-    if low is not None:
-        want = {(int, 1): "a positive integer", (int, 0): "a non-negative integer"}.get(
-            (types[0], low), f"{want} {'>' if strict else '>='} {low}")
-    raise ValueError(f"{name} must be {want}, got {checkpoint.json_type(v)} {repr(v)[:60]}")
+from config import ModelArgs
+from ops import NUMPY_OPS, make_ops
 
 
 # -----------------------------------------------------------------------------
@@ -308,55 +138,7 @@ def probe_experts(w, host_layers, ops, rows=2):
 
 
 # -----------------------------------------------------------------------------
-# The op table: every numerical op the wiring below (and attention.mla_forward, indexer.indexer_forward)
-# calls, for one backend. The NumPy table holds the `_ref` functions, the definition of the model; a
-# fast backend supplies a table with the same names and contracts, so the wiring exists once.
-
-def _zeros(shape, fp8):  # cache storage: FP8 codes (ml_dtypes) or float32
-    return np.zeros(shape, quant.E4M3 if fp8 else np.float32)
-
-
-NUMPY_OPS = SimpleNamespace(
-    # rounding points: official numerics round to bf16 where the official code holds bf16 tensors
-    bf16_round=quant.bf16_round, no_round=quant.no_round,
-    # number formats and linears
-    act_quant=quant.act_quant, linear=quant.linear_ref, linears=quant.linears_ref, dequant=quant.Weight.dequant,
-    fuse_rows=None,                                     # a fast backend may lay linears of one input out as one
-    # norms, RoPE
-    rms_norm=attention.rms_norm_ref, layer_norm=indexer.layer_norm_ref,
-    rope_interleaved=rope.rope_interleaved, rope_half_split=rope.rope_half_split,
-    # DSA: indexer and selection
-    rotate_activation=indexer.rotate_activation_ref, head_weights=indexer.head_weights_ref,
-    index_scores=indexer.index_scores_ref, topk_select=indexer.topk_select_ref, select=indexer.select_ref,
-    # MLA
-    latent_fp8_roundtrip=attention.latent_fp8_roundtrip_ref, causal_mask=attention.causal_mask_ref,
-    store=attention.store_ref,
-    mha=attention.mha_ref, mqa_absorbed=attention.mqa_absorbed_ref,
-    fused=False,                                        # no DSA kernels: the selection is a mask, the cache two arrays
-    # feed-forward
-    mlp=moe.mlp_ref, moe=moe.moe_ref, gate=moe.gate_ref,
-    # glue
-    cat=lambda xs, axis: np.concatenate(xs, axis), zeros=_zeros,
-    tokens=lambda t: np.asarray(t), angles=lambda cos, sin: (cos, sin),
-    embed=lambda table, tokens: np.asarray(table[tokens], np.float32),
-    head=lambda h, w: h @ w.T, head_weight=lambda w: np.asarray(w, np.float32),
-    param=lambda a: a, weight=lambda W: W, plain_weight=lambda W: W, act_dequant=quant.act_dequant,
-    experts=None,                                       # routed experts stay a list of per-expert Weights
-    expert_linear=lambda x, ffn, e, name: quant.linear_ref(x, ffn["experts"][e][name], True),
-    name="numpy",                                       # weights stay memory-mapped NumPy arrays
-)
-
-
-def make_ops(backend, device=None):  # the op table of a backend ("numpy", or "torch" on a device)
-    if backend == "numpy":
-        if device not in (None, "cpu"):
-            raise ValueError(f"device {device!r} needs backend='torch'; the NumPy reference runs on the CPU")
-        return NUMPY_OPS
-    if backend == "torch":
-        import backend_torch
-        return backend_torch.torch_ops(device or "cpu")
-    raise ValueError(f"backend must be 'numpy' or 'torch', got {backend!r}")
-
+# Weights onto the backend, and the copies made from them at load
 
 def to_backend(w, ops):  # a nested weight dict -> the same with every array handed to ops.param
     if isinstance(w, quant.Weight):
@@ -371,6 +153,33 @@ def to_backend(w, ops):  # a nested weight dict -> the same with every array han
     return ops.param(w)
 
 
+def derive_weights(w, args, opts):
+    """The weights as this model reads them, made once at load and never inside a step: a new dict
+    over the same arrays (the caller's stays as it was), with
+    - head_f32: the output head in fp32 (the official head GEMM runs in fp32);
+    - per layer, W_UK [H, N, C] and W_UV [H, V, C], wkv_b split per head for the absorbed form
+      (bf16 values in official numerics; ops.absorb);
+    - the indexer's weights_proj in fp32 (an fp32 projection in the official code);
+    - with ops.fuse_rows (official numerics): the linears of one input as row blocks of one weight,
+      the groups of mla_forward's ops.linears."""
+    ops, H, N = opts.ops, args.num_attention_heads, args.qk_nope_head_dim
+    layers = []
+    for layer in w["layers"]:
+        p = dict(layer["attn"], indexer=dict(layer["attn"]["indexer"]))
+        idx = p["indexer"]
+        if ops.fuse_rows is not None and opts.official:
+            groups = [[(p, "wq_a"), (p, "wkv_a")], [(p, "wq_b")]]
+            if opts.sparse:
+                groups = [groups[0] + [(idx, "wk")], groups[1] + [(idx, "wq_b")]]
+            for g in groups:
+                for (d, name), W in zip(g, ops.fuse_rows([d[name] for d, name in g])):
+                    d[name] = W
+        p["W_UK"], p["W_UV"] = ops.absorb(p["wkv_b"], H, N, opts.official)
+        idx["weights_proj"] = quant.Weight(ops.to_f32(ops.dequant(idx["weights_proj"])), None)
+        layers.append(dict(layer, attn=p))
+    return dict(w, layers=layers, head_f32=ops.to_f32(w["head"]))
+
+
 # -----------------------------------------------------------------------------
 # Caches: per layer, the latent c^KV, the rope key k^R, the indexer keys and their scales
 
@@ -380,9 +189,9 @@ class LayerCache:
     one packed row per token instead (latent [B, cap, W], backend_torch.latent_cache); the indexer's
     keys [B, cap, D] (FP8 codes or float32) and their scales [B, cap] (idx.k, idx.k_scale)."""
 
-    def __init__(self, B, args, fp8_keys, ops, fused=False, official=True):
+    def __init__(self, B, args, fp8_keys, ops, official=True):
         self.B, self.args, self.cap, self.ops, self.fp8_keys = B, args, 0, ops, fp8_keys
-        self.fused, self.official = fused, official
+        self.fused, self.official = ops.fused, official
         self._set(self._alloc(0))
 
     def _alloc(self, cap):
@@ -424,35 +233,30 @@ class Transformer:
         indexer_mode = indexer_mode or ("fp8" if numerics == "official" else "exact")
         if indexer_mode not in ("fp8", "exact"):
             raise ValueError(f"indexer must be 'fp8' or 'exact', got {indexer_mode!r}")
-        self.args, self.w, self.path = args, weights, ck_path
+        self.args, self.path = args, ck_path
         self.opts = SimpleNamespace(official=numerics == "official", sparse=attention_mode == "sparse",
-                                    indexer_fp8=indexer_mode == "fp8", ops=ops, record=None,
-                                    fused=ops.fused)     # the GPU's DSA kernels (backend_torch)
+                                    indexer_fp8=indexer_mode == "fp8", ops=ops, record=None)
         self.numerics, self.attention, self.indexer = numerics, attention_mode, indexer_mode
+        self.w = derive_weights(weights, args, self.opts)
         self.freqs = rope.yarn_freqs(args.qk_rope_head_dim, args.rope_theta, args.max_seq_len, args.original_seq_len,
                                      args.rope_factor, args.rope_scaling.get("beta_fast", 32),
                                      args.rope_scaling.get("beta_slow", 1))
         self.caches, self.cached_len = None, 0
-        if getattr(ops, "fuse_rows", None) is not None and self.opts.official:
-            for layer in weights["layers"]:        # the groups of mla_forward's ops.linears, in place
-                p = layer["attn"]
-                groups = [[(p, "wq_a"), (p, "wkv_a")], [(p, "wq_b")]]
-                if self.opts.sparse:
-                    groups = [groups[0] + [(p["indexer"], "wk")], groups[1] + [(p["indexer"], "wq_b")]]
-                for g in groups:
-                    for (d, name), W in zip(g, ops.fuse_rows([d[name] for d, name in g])):
-                        d[name] = W
+        self.rope_table = None                   # decode_static's cos, sin over the caches' capacity
 
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics="official", attention="sparse", indexer=None,
-                        max_seq_len=None, device=None, progress=None, probe=True, n_layers=None, parallel=None):
+                        max_seq_len=None, device=None, progress=None, probe=True, n_layers=None, parallel=None,
+                        ops=None):
         """Open a checkpoint folder in the real layout. NumPy: weights stay memory-mapped until used.
         torch: each layer's tensors go to the device as they are read (FP8 stays FP8), then every
         routed expert passes a known-answer probe (probe_experts); progress(i, n) is called after each layer.
         n_layers: build only the first n layers (then the final norm and head), for checks.
         parallel: a parallel.Parallel (tensor/expert parallelism over torch.distributed ranks): this
-        rank's slices of the weights and the op table with the collectives, applied from outside."""
-        ops = make_ops(backend, device)
+        rank's slices of the weights and the op table with the collectives, applied from outside.
+        ops: an op table to load onto instead of the backend's default (tests: the DSA kernels in the
+        Triton interpreter on the CPU)."""
+        ops = ops or make_ops(backend, device)
         if parallel is not None:
             ops = parallel.wrap(ops)
         ck = checkpoint.Checkpoint(path)
@@ -488,7 +292,7 @@ class Transformer:
 
     def _cache(self, B):
         o = self.opts
-        return LayerCache(B, self.args, o.indexer_fp8, o.ops, o.fused, o.official)
+        return LayerCache(B, self.args, o.indexer_fp8, o.ops, o.official)
 
     def _check_tokens(self, tokens, start_pos):
         if not isinstance(start_pos, (int, np.integer)) or isinstance(start_pos, (bool, np.bool_)):
@@ -531,8 +335,6 @@ class Transformer:
         h = ops.embed(self.w["embed"], ops.tokens(tokens))                  # [B, T, d] (bf16 values)
         h = self._blocks(h, start_pos, end, cos, sin, record)
         self.cached_len = end
-        if "head_f32" not in self.w:                                    # fp32 head weights (official), once
-            self.w["head_f32"] = ops.head_weight(self.w["head"])
         return ops.head(h if all_positions else h[:, -1], self.w["head_f32"])   # [B, (T,) V] float32
 
     def _blocks(self, h, start_pos, S, cos, sin, record=None):  # [B, T, d] -> the final norm's output
@@ -561,7 +363,7 @@ class Transformer:
         capacity with the causal mask hiding the slots not written yet. This is what a CUDA graph
         captures (backend_torch.GraphDecoder); it equals forward(tok, pos) in exact arithmetic."""
         ops, cap = self.opts.ops, self.caches[0].cap
-        if getattr(self, "rope_table", (None,))[0] is None or self.rope_table[0].shape[0] != cap:
+        if self.rope_table is None or self.rope_table[0].shape[0] != cap:
             self.rope_table = ops.angles(*rope.rope_angles(self.freqs, np.arange(cap)))   # [cap, R/2] each
         at = pos.reshape(1)                                               # indexing by a tensor: no .item()
         cos, sin = self.rope_table[0][at], self.rope_table[1][at]         # [1, R/2]

@@ -24,12 +24,12 @@ so each rank reads only its own slices from the shards.
 import dataclasses
 import os
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+import backend_torch
 import quant
 
 BLOCK = 128
@@ -173,58 +173,21 @@ class Parallel:
             comm(dist.broadcast, sel, 0)
             return sel.bool() if flag else sel
 
-        def routed_grouped(x, p, idx, mine):
-            """Official numerics, FP8 experts: the grouped GEMM over this rank's stacked experts, no host
-            synchronisation. Pairs routed elsewhere go to a virtual expert whose blocks are skipped (-1)."""
-            E = p["w13"].w.shape[0]
-            rows_tok, pair_at, block_expert = base.route(torch.where(mine, idx - p["expert_range"][0], E), E + 1, 16)
-            block_expert = torch.where(block_expert == E, -1, block_expert)
-            q, sc = base.act_quant(x)
-            g = base.grouped(q, sc, p["w13"], rows_tok, block_expert)              # [P, 2I]: gate | up
-            I = g.shape[1] // 2
-            h = base.bf16_round(torch.nn.functional.silu(g[:, :I]) * g[:, I:])
-            q2, s2 = base.act_quant(h)
-            rows_self = torch.where(rows_tok >= 0, torch.arange(rows_tok.shape[0], device=x.device, dtype=torch.int32), -1)
-            o = base.grouped(q2, s2, p["w2"], rows_self, block_expert)             # [P, d]
-            M, Kt = idx.shape
-            out = torch.zeros(M * Kt + 1, x.shape[1], device=x.device).index_copy_(0, pair_at, o)[:M * Kt]
-            return out.view(M, Kt, -1)
-
-        def routed_loop(x, p, idx, mine, official):  # exact numerics or bf16 experts: one expert at a time
-            rnd = base.bf16_round if official else base.no_round
-            e0 = p["expert_range"][0]
-            out = torch.zeros(*idx.shape, x.shape[1], device=x.device)
-            for e in torch.unique(idx[mine]).tolist():                             # the experts held here
-                tok, slot = torch.nonzero(idx == e, as_tuple=True)
-                W13, W2 = p["w13"], p["w2"]
-                k = e - e0
-                g = base.linear(x[tok], quant.Weight(W13.w[k], None if W13.scale is None else W13.scale[k]), official)
-                I = g.shape[1] // 2
-                h = rnd(torch.nn.functional.silu(g[:, :I]) * g[:, I:])
-                out[tok, slot] = base.linear(h, quant.Weight(W2.w[k], None if W2.scale is None else W2.scale[k]), official)
-            return out
-
         def moe(x, p, args, official):
             """Routed experts of this rank (expert parallel): the weighted sum over each token's
             experts held here, in expert-id order in fp32, summed over ranks; then the shared expert
             (split by columns, summed inside its w2)."""
-            rnd = base.bf16_round if official else base.no_round
             w, idx = base.gate(x, p["gate"].w, p.get("gate_bias"), args)           # every expert, every rank
             e0, e1 = p["expert_range"]
             mine = (idx >= e0) & (idx < e1)
-            if official and p["w13"].scale is not None:
-                out = routed_grouped(x, p, idx, mine)
-            else:
-                out = routed_loop(x, p, idx, mine, official)
-            M, Kt = idx.shape
+            if base.kernels is not None and official and p["w13"].scale is not None:   # the grouped GEMM
+                out = backend_torch.routed_grouped(x, p, torch.where(mine, idx - e0, e1 - e0), elsewhere=True,
+                                                   kern=base.kernels)
+            else:                                                                   # one expert at a time
+                out = backend_torch.routed_loop(x, p, idx, official, e0, kern=base.kernels)
             out = torch.where(mine[..., None], out, 0.0)                           # pairs routed elsewhere: nothing
-            perm = torch.argsort(idx, dim=1, stable=True)                          # each token's experts by id
-            ws, outs = w.gather(1, perm), out.gather(1, perm[..., None].expand_as(out))
-            y = torch.zeros(M, x.shape[1], device=x.device)
-            for k in range(Kt):
-                y += outs[:, k] * ws[:, k, None]
-            y = all_sum(y) + mlp(x, p["shared_experts"], official)
-            return rnd(y)
+            y = all_sum(backend_torch.weighted_sum(w, idx, out)) + mlp(x, p["shared_experts"], official)
+            return base.bf16_round(y) if official else base.no_round(y)
 
         def mlp(x, p, official):                          # the base MLP through the wrapped linear
             rnd = base.bf16_round if official else base.no_round
@@ -234,9 +197,8 @@ class Parallel:
         def param(a):                                     # the expert range stays a pair of ints
             return a if isinstance(a, tuple) else base.param(a)
 
-        return SimpleNamespace(**(vars(base) | dict(
-            weight=weight, linear=linear, linears=linears, embed=embed, head=head, select=select, moe=moe, mlp=mlp, param=param,
-            parallel=self)))
+        return dataclasses.replace(base, weight=weight, linear=linear, linears=linears, embed=embed, head=head,
+                                   select=select, moe=moe, mlp=mlp, param=param)
 
 
 def init_from_env(device=None):

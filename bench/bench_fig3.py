@@ -110,7 +110,8 @@ def main():
     import backend_torch
     import bench_model
     import rope
-    from model import ModelArgs, Transformer
+    from config import ModelArgs
+    from model import Transformer
 
     args = ModelArgs.from_config(dict(bench_model.REAL, num_hidden_layers=1, first_k_dense_replace=0, vocab_size=1024),
                                  max_seq_len=a.max_l + 64)

@@ -26,7 +26,8 @@ import backend_torch  # noqa: E402
 import checkpoint  # noqa: E402
 import quant  # noqa: E402
 import quant_torch  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
+from config import ModelArgs  # noqa: E402
+from model import Transformer  # noqa: E402
 
 REAL = dict(checkpoint.REAL_DIMS, quantization_config={"quant_method": "fp8", "scale_fmt": "ue8m0"})
 

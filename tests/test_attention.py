@@ -49,7 +49,7 @@ def test_mha_and_absorbed_agree_with_float64(B, T, past, H, N, R, V, C, seed):
     k = np.concatenate([k_nope, np.broadcast_to(pe[:, :, None], (B, S, H, R))], -1)
     q = np.concatenate([q_nope, q_pe], -1)
     mha = attention.mha_ref(q_nope, q_pe, k_nope, pe, v, allowed, scale, quant.no_round)
-    absorbed = attention.mqa_absorbed_ref(q_nope, q_pe, kv, pe, Wb, allowed, scale, quant.no_round)
+    absorbed = attention.mqa_absorbed_ref(q_nope, q_pe, kv, pe, Wb[:, :N], Wb[:, N:], allowed, scale, quant.no_round)
     ref = attention_oracle(q, k, v, allowed, scale)
     assert rel_err(mha, ref) <= 1e-5
     assert rel_err(absorbed, ref) <= 1e-5

@@ -2,6 +2,8 @@
 masks, the packed latent cache, absorbed attention for prefill chunks too), against the NumPy
 reference: end to end in exact numerics, op by op in official numerics. On the CPU the kernels run
 in the Triton interpreter (conftest.py); on a GPU for real."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -35,10 +37,8 @@ def fused_ops():
     return backend_torch.torch_ops(DEV) if HAS_CUDA else backend_torch.torch_ops(DEV, kernels=False, dsa=kernels_cuda)
 
 
-def fused_model(ckpt, **kw):
-    m = Transformer.from_pretrained(ckpt, backend="torch", device=DEV, **kw)
-    m.opts.ops = fused_ops()
-    m.opts.fused = True
+def fused_model(ckpt, ops=None, **kw):
+    m = Transformer.from_pretrained(ckpt, backend="torch", device=DEV, ops=ops or fused_ops(), **kw)
     assert m.opts.ops.fused
     return m
 
@@ -126,17 +126,18 @@ def test_latent_attention_matches_the_absorbed_reference(T):
     sel = np.stack([np.stack([np.sort(rng.permutation(past + t + 1)[:K]) for t in range(T)]) for _ in range(B)])
     allowed = np.zeros((B, T, S), bool)
     np.put_along_axis(allowed, sel, True, -1)
-    Wb = quant.bf16_round(wkv_b.dequant()).reshape(H, N + V, C)
-    ref = attention.mqa_absorbed_ref(q_nope, q_pe, c_kv, k_pe, Wb, allowed, args.softmax_scale, quant.bf16_round)
+    W_UK, W_UV = attention.absorb_ref(wkv_b, H, N, True)
+    ref = attention.mqa_absorbed_ref(q_nope, q_pe, c_kv, k_pe, W_UK, W_UV, allowed, args.softmax_scale, quant.bf16_round)
     buf = ops.latent_cache(B, S, type("A", (), dict(kv_lora_rank=C, qk_rope_head_dim=R)), True)
     P = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
     ops.store_latent(buf, 0, P(c_kv), P(k_pe), B, S)
     p = {"wkv_b": ops.weight(wkv_b)}
+    p["W_UK"], p["W_UV"] = ops.absorb(p["wkv_b"], H, N, True)                 # as derive_weights at load
     got = ops.latent_attention(P(q_nope), P(q_pe), buf, P(sel.astype(np.int32)), p, past, S, args, ops.bf16_round)
     assert got.shape == (B, T, H, V)
     assert rel_err(got.cpu().numpy(), ref) <= 2e-2
     # and the dense form (every causal key) against the reference with the causal mask
-    ref_d = attention.mqa_absorbed_ref(q_nope, q_pe, c_kv, k_pe, Wb, attention.causal_mask_ref(B, T, past, S),
+    ref_d = attention.mqa_absorbed_ref(q_nope, q_pe, c_kv, k_pe, W_UK, W_UV, attention.causal_mask_ref(B, T, past, S),
                                        args.softmax_scale, quant.bf16_round)
     got_d = ops.latent_attention(P(q_nope), P(q_pe), buf, None, p, past, S, args, ops.bf16_round)
     assert rel_err(got_d.cpu().numpy(), ref_d) <= 2e-2
@@ -149,13 +150,9 @@ def test_index_prep_in_the_model_matches_the_unfused_steps(ckpt):
     tokens = np.random.default_rng(6).integers(0, 2048, (2, 16))
     out = {}
     for fused in (True, False):
-        m = fused_model(ckpt)
-        calls = []
-        if fused:
-            prep = m.opts.ops.index_prep
-            m.opts.ops.index_prep = lambda *a: calls.append(1) or prep(*a)
-        else:
-            m.opts.ops.index_prep = None
+        ops, calls = fused_ops(), []
+        counted = lambda *a, prep=ops.index_prep: calls.append(1) or prep(*a)           # noqa: E731
+        m = fused_model(ckpt, ops=dataclasses.replace(ops, index_prep=counted if fused else None))
         rec = {}
         logits = [m.forward(torch.as_tensor(tokens[:, :14]), all_positions=True, record=rec).cpu().numpy()]
         for p in range(14, 16):

@@ -347,6 +347,7 @@ def test_verify_layers_must_be_within_the_model(tiny):
 
 def test_verify_catches_the_old_indexer_rope(tiny, monkeypatch):
     # REF-old's bug: interleaved RoPE in the indexer. The torch path with that bug must fail --verify.
+    import dataclasses
     import io
     import backend_torch
     import verify
@@ -354,8 +355,7 @@ def test_verify_catches_the_old_indexer_rope(tiny, monkeypatch):
 
     def buggy(device):
         ops = real(device)
-        ops.rope_half_split = ops.rope_interleaved
-        return ops
+        return dataclasses.replace(ops, rope_half_split=ops.rope_interleaved)
 
     monkeypatch.setattr(backend_torch, "torch_ops", buggy)
     out = io.StringIO()

@@ -126,7 +126,7 @@ def test_index_prep_ref_is_indexer_forwards_official_steps(B, T, start_pos, J, s
     # table, official numerics, FP8 indexer) write the same key codes and scales and select the same keys
     from types import SimpleNamespace
     import rope
-    from model import NUMPY_OPS
+    from ops import NUMPY_OPS
     rng = np.random.default_rng(seed)
     D, R, d, K = 128, 64, 256, 3
     bf = quant.bf16_round

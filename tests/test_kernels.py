@@ -243,8 +243,7 @@ def test_moe_gemm_kernel(M, Kt, E, N, K, seed):
     idx = np.stack([rng.choice(E, Kt, replace=False) for _ in range(M)])       # each token's experts
     a, sa = quant.act_quant((rng.standard_normal((M, K)) * 3).astype(np.float32))
     ws = [quant.weight_quant(rng.standard_normal((N, K)).astype(np.float32)) for _ in range(E)]
-    ops = backend_torch.torch_ops(DEV, kernels=False)
-    rows, pair_at, block_expert = ops.route(torch.from_numpy(idx).to(DEV), E, kernels_cuda.MOE_BLOCK_M)
+    rows, pair_at, block_expert = backend_torch.route(torch.from_numpy(idx).to(DEV), E, kernels_cuda.MOE_BLOCK_M)
     W = torch.stack([t8(w) for w, _ in ws]), torch.stack([torch.from_numpy(s).to(DEV) for _, s in ws])
     got = kernels_cuda.moe_gemm(t8(a), torch.from_numpy(sa).to(DEV), *W, rows, block_expert, out_dtype=torch.float32)
     got, rows_np, pair_np = got.cpu().numpy(), rows.cpu().numpy(), pair_at.cpu().numpy()
@@ -295,7 +294,7 @@ def test_rocm_moe_gemm(arch):
     ws = [quant.weight_quant(rng.standard_normal((N, K)).astype(np.float32)) for _ in range(E)]
     prepared = [kernels_rocm.prepare_weight(t8(w), torch.from_numpy(s).to(DEV), arch=arch) for w, s in ws]
     W = torch.stack([w for w, _ in prepared]), torch.stack([s for _, s in prepared])
-    rows, pair_at, block_expert = backend_torch.torch_ops(DEV, kernels=False).route(torch.from_numpy(idx).to(DEV), E, 16)
+    rows, pair_at, block_expert = backend_torch.route(torch.from_numpy(idx).to(DEV), E, 16)
     got = kernels_rocm.moe_gemm(t8(a, torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn), torch.from_numpy(sa).to(DEV),
                                 *W, rows, block_expert, out_dtype=torch.float32, arch=arch).cpu().numpy()
     rows_np, pair_np = rows.cpu().numpy(), pair_at.cpu().numpy()

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import checkpoint
+from config import ModelArgs
 from helpers import rel_err
-from model import ModelArgs, Transformer
+from model import Transformer
 
 REAL_CONFIG = {   # spec/dsv32.md §1, the DeepSeek-V3.2(-Exp) config.json
     "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "attention_bias": False,

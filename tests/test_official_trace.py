@@ -12,9 +12,11 @@ import pytest
 
 import checkpoint
 import rope
+from config import ModelArgs
 from conftest import FIXTURE_CKPT, backends
 from helpers import assert_bf16_close, rel_err
-from model import LayerCache, ModelArgs, Transformer, load_layer, make_ops, to_backend
+from model import LayerCache, Transformer, load_layer, to_backend
+from ops import make_ops
 
 
 @pytest.fixture(scope="module", params=backends())

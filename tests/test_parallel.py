@@ -11,10 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import checkpoint
+import ops
 import parallel
+from config import ModelArgs
 from conftest import gpu
 from helpers import rel_err
-from model import ModelArgs, Transformer, load_layer
+from model import Transformer, load_layer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,7 +120,7 @@ def test_layouts_that_cannot_be_split_are_refused(ckpt, tmp_path):
     assert len(w["layers"][1]["ffn"]["experts"]) == 4 and w["layers"][1]["ffn"]["expert_range"] == (4, 8)
     assert isinstance(w["layers"][0]["attn"]["wo"], parallel.RowShard)
     with pytest.raises(parallel.ShardError, match="backend='torch'"):
-        parallel.Parallel(0, 2).wrap(model.NUMPY_OPS)
+        parallel.Parallel(0, 2).wrap(ops.NUMPY_OPS)
 
 
 @pytest.fixture(scope="module")

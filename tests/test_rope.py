@@ -24,7 +24,7 @@ def test_yarn_frequencies_of_the_real_config():
 
 
 def test_softmax_scale_of_the_real_config():
-    from model import ModelArgs
+    from config import ModelArgs
     a = ModelArgs(max_seq_len=16384, rope_scaling={"type": "yarn", "factor": 40, "mscale": 1.0,
                                                    "original_max_position_embeddings": 4096})
     assert math.isclose(a.softmax_scale, 0.1352337789, rel_tol=1e-9)
@@ -64,7 +64,7 @@ def test_relative_position_property(seed):
 
 
 def test_trace_rope(trace):
-    from model import ModelArgs
+    from config import ModelArgs
     import json
     from conftest import FIXTURE_CKPT
     a = ModelArgs.from_config(json.loads((FIXTURE_CKPT / "config.json").read_text()))

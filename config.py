@@ -1,0 +1,184 @@
+"""The model's configuration: a checkpoint's config.json, keys unchanged, in one dataclass (ModelArgs),
+every value's JSON type and range checked, and what the run derives from it (the softmax scale with
+YaRN's mscale, whether YaRN is active at this run's context).
+"""
+import math
+import typing
+from dataclasses import dataclass, field, fields
+from types import NoneType
+
+import checkpoint
+import quant
+import rope
+
+
+@dataclass
+class ModelArgs:
+    """The checkpoint's config.json, keys unchanged. Comments: paper symbol (official demo name)."""
+    vocab_size: int = 129280              # |V| (vocab_size)
+    hidden_size: int = 7168               # d (dim)
+    intermediate_size: int = 18432        # dense FFN width (inter_dim)
+    moe_intermediate_size: int = 2048     # routed expert width (moe_inter_dim)
+    num_hidden_layers: int = 61           # L (n_layers); layer L is the MTP module, not built
+    first_k_dense_replace: int = 3        # leading dense-FFN layers (n_dense_layers)
+    num_attention_heads: int = 128        # n_h (n_heads)
+    n_routed_experts: int = 256           # N_r (n_routed_experts)
+    n_shared_experts: int = 1             # N_s (n_shared_experts)
+    num_experts_per_tok: int = 8          # K_r (n_activated_experts)
+    n_group: int = 8                      # expert groups (n_expert_groups)
+    topk_group: int = 4                   # groups kept per token (n_limited_groups)
+    routed_scaling_factor: float = 2.5    # route scale (route_scale)
+    scoring_func: str = "sigmoid"         # s_{i,t} = sigmoid(u . e) (score_func)
+    topk_method: str = "noaux_tc"         # noaux_tc: bias-corrected choice b_i (Gate.bias)
+    norm_topk_prob: bool = True           # normalise the K gate weights to sum 1
+    q_lora_rank: int = 1536               # d'_c (q_lora_rank)
+    kv_lora_rank: int = 512               # d_c (kv_lora_rank)
+    qk_nope_head_dim: int = 128           # d_h (qk_nope_head_dim)
+    qk_rope_head_dim: int = 64            # d^R_h (qk_rope_head_dim)
+    v_head_dim: int = 128                 # d_h for values (v_head_dim)
+    index_n_heads: int = 64               # H^I (index_n_heads)
+    index_head_dim: int = 128             # d^I (index_head_dim)
+    index_topk: int = 2048                # k in Top-k(I_{t,:}) (index_topk)
+    rms_norm_eps: float = 1e-6            # RMSNorm epsilon (hard-coded in the demo)
+    rope_theta: float = 10000.0           # RoPE base (rope_theta)
+    rope_scaling: dict | None = field(default_factory=dict)   # YaRN: factor, original_max_position_embeddings, beta_*, mscale
+    max_position_embeddings: int = 163840  # longest context the checkpoint claims
+    quantization_config: dict | None = None   # fp8 e4m3, ue8m0 scales, 128x128 blocks
+    bos_token_id: int = 0                 # <｜begin▁of▁sentence｜>
+    eos_token_id: int = 1                 # <｜end▁of▁sentence｜>, ends generation
+    num_nextn_predict_layers: int = 0     # MTP modules stored after the main layers (skipped)
+    hidden_act: str = "silu"              # SwiGLU's gate activation (checked: silu only)
+    attention_bias: bool = False          # MLA projections carry no bias (checked)
+    tie_word_embeddings: bool = False     # separate embedding and head (checked)
+    moe_layer_freq: int = 1               # every layer after the dense ones is MoE (checked)
+    num_key_value_heads: int = 128        # unused by MLA (its latent is shared by all heads)
+    ep_size: int = 1                      # training-time expert parallelism; unused here
+    attention_dropout: float = 0.0        # training only; unused
+    initializer_range: float = 0.02       # training only; unused
+    architectures: list = field(default_factory=list)   # bookkeeping of the HF checkpoint; unused
+    model_type: str = "deepseek_v32"
+    torch_dtype: str = "bfloat16"
+    transformers_version: str = ""
+    use_cache: bool = True
+    # derived in __post_init__
+    max_seq_len: int | None = None        # this run's context (default max_position_embeddings)
+    softmax_scale: float = 0.0            # d_qk^-0.5 * mscale^2 (with YaRN)
+
+    REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
+                "index_head_dim", "index_topk", "intermediate_size")
+
+    @classmethod
+    def from_config(cls, cfg, where="config.json", **run):
+        """Build from a config.json dict; unknown keys are ignored, missing required keys named, every
+        known key's JSON type and range checked: whatever the JSON, only ValueError escapes."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {checkpoint.json_type(cfg)}")
+        missing = [k for k in cls.REQUIRED if k not in cfg]
+        if missing:
+            raise ValueError(f"{where}: missing required field(s) {', '.join(missing)}")
+        if "max_seq_len" in run:                          # this run's option, not config.json's
+            _need("max_seq_len", run["max_seq_len"], (int,), low=1)
+        known = {f.name for f in fields(cls)} - {"max_seq_len", "softmax_scale"}
+        kw = {k: v for k, v in cfg.items() if k in known}
+        try:
+            return cls(**kw, **run)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def __post_init__(self):
+        for f in fields(self):                                # JSON types, from the annotations above
+            _need(f.name, getattr(self, f.name), typing.get_args(f.type) or (f.type,))
+        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
+                    "index_head_dim", "index_topk", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                    "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group", "max_position_embeddings")
+        for k in positive:
+            _need(k, getattr(self, k), (int,), low=1)
+        for k in ("first_k_dense_replace", "bos_token_id", "eos_token_id", "num_nextn_predict_layers"):
+            _need(k, getattr(self, k), (int,), low=0)
+        for k in ("routed_scaling_factor", "rms_norm_eps"):
+            _need(k, getattr(self, k), (float,), low=0, strict=True)
+        _need("rope_theta", self.rope_theta, (float,), low=1, strict=True)    # log(theta) divides in YaRN
+        self.rope_scaling = {} if self.rope_scaling is None else self.rope_scaling   # HF writes null for none
+        for k, t, low in (("factor", float, 0), ("original_max_position_embeddings", int, 1), ("beta_fast", float, 0),
+                          ("beta_slow", float, 0), ("mscale", float, None), ("mscale_all_dim", float, None),
+                          ("type", str, None), ("rope_type", str, None)):
+            if k in self.rope_scaling:
+                _need(f"rope_scaling.{k}", self.rope_scaling[k], (t,), low, strict=t is float)
+        for k, t in (("quant_method", str), ("fmt", str), ("scale_fmt", str), ("activation_scheme", str),
+                     ("weight_block_size", list)):
+            if k in (self.quantization_config or {}):
+                _need(f"quantization_config.{k}", self.quantization_config[k], (t,))
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
+            raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and fit in index_head_dim")
+        if self.index_head_dim & (self.index_head_dim - 1) or self.index_head_dim % quant.BLOCK:
+            raise ValueError(f"index_head_dim {self.index_head_dim} must be a power of two and a multiple of 128 "
+                             "(Hadamard rotation, one FP8 scale per head)")
+        if self.kv_lora_rank % quant.BLOCK:
+            raise ValueError(f"kv_lora_rank {self.kv_lora_rank} must be a multiple of 128 (FP8 latent groups)")
+        if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
+            raise ValueError(f"n_group {self.n_group} must divide n_routed_experts {self.n_routed_experts} "
+                             f"and be >= topk_group {self.topk_group}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError("num_experts_per_tok exceeds n_routed_experts")
+        unsupported = {"hidden_act": (self.hidden_act, "silu"), "attention_bias": (self.attention_bias, False),
+                       "tie_word_embeddings": (self.tie_word_embeddings, False), "moe_layer_freq": (self.moe_layer_freq, 1)}
+        for k, (got, want) in unsupported.items():
+            if got != want:
+                raise ValueError(f"{k}={got!r} is not a DeepSeek-V3.2 architecture this code implements (expects {want!r})")
+        if self.topk_method not in ("noaux_tc", "greedy"):
+            raise ValueError(f"topk_method {self.topk_method!r} is not noaux_tc (bias-corrected) or greedy")
+        if self.scoring_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"scoring_func {self.scoring_func!r} is not sigmoid or softmax")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(f"first_k_dense_replace {self.first_k_dense_replace} is outside 0..num_hidden_layers")
+        if self.max_seq_len is None:                      # not 0: an explicit 0 is an error, not the default
+            self.max_seq_len = self.max_position_embeddings
+        _need("max_seq_len", self.max_seq_len, (int,), low=1)
+        self.softmax_scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        if self.yarn_active:
+            m = rope.yarn_mscale(self.rope_factor, self.rope_scaling.get("mscale", 1.0))
+            self.softmax_scale *= m * m                                   # mscale enters squared
+            if not (math.isfinite(self.softmax_scale) and self.softmax_scale > 0):
+                raise ValueError(f"rope_scaling.mscale {self.rope_scaling.get('mscale', 1.0)!r} with factor "
+                                 f"{self.rope_factor} gives softmax scale {self.softmax_scale}, not a positive number")
+
+    @property
+    def original_seq_len(self):
+        return self.rope_scaling.get("original_max_position_embeddings", self.max_position_embeddings)
+
+    @property
+    def rope_factor(self):
+        return float(self.rope_scaling.get("factor", 1.0))
+
+    @property
+    def yarn_active(self):  # the official condition: the run's context exceeds the trained one
+        return self.rope_scaling.get("type", self.rope_scaling.get("rope_type")) == "yarn" \
+            and self.max_seq_len > self.original_seq_len
+
+    @property
+    def fp8(self):
+        q = self.quantization_config or {}
+        return q.get("quant_method") == "fp8"
+
+
+MAX_INT = 2 ** 63 - 1       # an int64: every integer the model computes with fits NumPy's int64 and a float
+
+
+def _need(name, v, types, low=None, strict=False):  # one config value: JSON type(s), finite, optional bound
+    def fits(t):
+        if t is NoneType:
+            return v is None
+        if t in (int, float) and isinstance(v, int) and not isinstance(v, bool):   # JSON true is a Python int
+            return -MAX_INT <= v <= MAX_INT
+        return t is float and isinstance(v, float) and math.isfinite(v) or t not in (int, float) and isinstance(v, t)
+    if any(fits(t) for t in types) and (low is None or v is None or (v > low if strict else v >= low)):
+        return
+    words = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string",
+             dict: "an object", list: "an array", NoneType: "null"}
+    want = " or ".join(words[t] for t in types)
+    if low is not None:
+        want = {(int, 1): "a positive integer", (int, 0): "a non-negative integer"}.get(
+            (types[0], low), f"{want} {'>' if strict else '>='} {low}")
+    raise ValueError(f"{name} must be {want}, got {checkpoint.json_type(v)} {repr(v)[:60]}")
