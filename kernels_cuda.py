@@ -1,24 +1,26 @@
 """Triton kernels for NVIDIA GPUs (and, with kernels_rocm.py's data, AMD): the hot ops of the fast path.
+The model, the tests and kernels_rocm.py call them here: the number-format and GEMM kernels live in
+kernels_fp8.py and are re-exported; the elementwise RoPE and the DSA kernels follow, in the paper's order.
 
-    act_quant   1x128 groups, ue8m0 scales, e4m3 codes            reference: quant.act_quant
-    fp8_gemm    y = (a * sa) (b * sb)^T, 1x128 activation groups, 128x128 weight blocks, fp32
-                promotion of each 128-wide K block's partial sum; K split over programs for
-                decode's few output tiles, the same bits          reference: quant.fp8_gemm
-    moe_gemm    the same GEMM for the routed experts: all experts' weights stacked [E, N, K], token
-                rows gathered by index, one expert per 16-row block   reference: quant.fp8_gemm per expert
+Number formats and GEMMs, in kernels_fp8.py (its docstring has the details), re-exported here:
+    act_quant   FP8 activations: 1x128 groups, ue8m0 scales        reference: quant.act_quant
+    fp8_gemm    the block-scaled FP8 GEMM, K split for decode      reference: quant.fp8_gemm
+    moe_gemm    that GEMM for the routed experts, rows gathered    reference: quant.fp8_gemm per expert
+    bf16_round  float32 -> the nearest bf16 values, one launch     reference: quant.bf16_round
 
-    rope        RoPE in either layout, and bf16_round: elementwise glue, one launch each
-                                                                    reference: rope.rope_*, quant.bf16_round
+RoPE, here (its jit helper _rope serves index_prep too):
+    rope        RoPE in either layout: elementwise glue, one launch
+                                                    reference: rope.rope_interleaved / rope.rope_half_split
 
 DSA kernels (DeepSeek Sparse Attention; the model calls them on a GPU through backend_torch):
     index_prep          the indexer's per-token steps before eq. (1) in one kernel: RoPE, the key's
                         LayerNorm, the Hadamard rotation (float64 butterflies), FP8 quantisation, the
-                        key cache write, the head weights    reference: indexer.indexer_forward's steps
+                        key cache write, the head weights    reference: indexer.index_prep_ref
     index_scores        eq. (1) for a prefill chunk or decode rows: keys on the MMA's M side, BQ queries
                         x all their heads on N (the head sum in registers), keys split over programs,
-                        future key blocks skipped              reference: indexer.index_scores_ref
+                        future key blocks skipped              reference: indexer.index_scores_causal_ref
     topk_indices        eq. (2), exact causal top-k: per-segment lists above a sampled threshold, then
-                        radix select on them (or on the row)   reference: indexer.topk_select_ref
+                        radix select on them (or on the row)   reference: indexer.topk_indices_ref
     sparse_mla_decode   absorbed MLA over the selected latent rows (packed FP8 656-byte rows, or bf16 /
     sparse_mla_prefill  float32), online softmax; decode splits the selected set and combines the
                         splits by log-sum-exp, prefill writes each query directly
@@ -31,7 +33,6 @@ the interpreter's fp32->fp8 and fp32->bf16 casts are defective (spec/kernels.md 
 allow exactly those defects and check bit-exactness on a GPU.
 """
 import functools
-import os
 
 import numpy as np
 
@@ -40,306 +41,14 @@ import triton
 import triton.language as tl
 
 import quant
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-
-
-@functools.lru_cache(None)
-def sm_count(device):  # streaming multiprocessors (132 on an H200; the interpreter: as an H200)
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
-def _interpreted():
-    return os.environ.get("TRITON_INTERPRET") == "1"
+# the number formats and GEMMs, re-exported: callers name them kernels_cuda.act_quant, .fp8_gemm, ...
+from kernels_fp8 import FP8, FP8_MAX, MOE_BLOCK_M, act_quant, bf16_round, fp8_gemm, moe_gemm, sm_count  # noqa: F401
+from kernels_fp8 import _bf16_round, _e4m3_decode, _interpreted, _ue8m0_quant   # the DSA kernels' helpers
 
 
 # -----------------------------------------------------------------------------
-# FP8 e4m3 bytes -> fp32 by integer arithmetic, for GPUs without FP8 (gfx90a). The GEMM then feeds
-# fp16 to the matrix cores: every e4m3 / e4m3fnuz value is exact in fp16 (as in bf16), fp16 matrix
-# math runs at the bf16 rate on gfx90a, and the CPU interpreter multiplies fp16 correctly (not bf16).
-
-@triton.jit
-def _e4m3_decode(bits, FNUZ: tl.constexpr):
-    """uint8 e4m3 code -> fp32 value. e4m3fn: bias 7, 0x7F/0xFF NaN; e4m3fnuz: bias 8, 0x80 NaN."""
-    b = bits.to(tl.int32)
-    sign = tl.where((b & 0x80) != 0, -1.0, 1.0)
-    e = (b >> 3) & 0xF
-    m = (b & 0x7).to(tl.float32)
-    bias = 8 if FNUZ else 7
-    normal = (1.0 + m * 0.125) * tl.exp2((e - bias).to(tl.float32))
-    sub = m * 0.125 * tl.exp2((1 - bias) * 1.0)                       # e == 0: subnormal
-    v = sign * tl.where(e == 0, sub, normal)
-    if FNUZ:
-        v = tl.where(b == 0x80, float("nan"), v)
-    else:
-        v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
-    return v
-
-
-# -----------------------------------------------------------------------------
-# act_quant: one program per BLOCK_M rows x one 128-wide group
-
-@triton.jit
-def _ue8m0_quant(x, FP8_MAX: tl.constexpr):  # [R, 128] fp32 -> (x / s clamped to +-FP8_MAX, s [R] = 2^e)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)                # all-zero group -> 1e-4
-    v = amax * (1.0 / FP8_MAX)                                        # one fp32 multiply, as the official kernel
-    bits = v.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)   # ceil(log2 v) from the bits
-    s = ((e + 127) << 23).to(tl.float32, bitcast=True)                # 2^e: the ue8m0 scale
-    return tl.minimum(tl.maximum(x / s[:, None], -FP8_MAX), FP8_MAX), s     # exact divide by a power of two
-
-
-@triton.jit
-def _act_quant_kernel(X, Q, S, M, N, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Reference: quant.act_quant (scale_fmt "ue8m0")."""
-    pid_m, g = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = g * GROUP + tl.arange(0, GROUP)
-    ok = rows[:, None] < M
-    x = tl.load(X + rows[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)   # fp32 at once
-    y, s = _ue8m0_quant(x, FP8_MAX)
-    tl.store(Q + rows[:, None] * N + cols[None, :], y.to(Q.dtype.element_ty), mask=ok)
-    tl.store(S + rows * (N // GROUP) + g, s, mask=rows < M)
-
-
-def act_quant(x, fp8=FP8, fp8_max=FP8_MAX, block_m=None):
-    """x [..., N] (bf16, or float32 holding any values) -> (q [..., N] fp8, s [..., N/128] float32)."""
-    assert x.shape[-1] % 128 == 0, f"act_quant: last dim {x.shape[-1]} is not a multiple of 128"
-    assert x.dtype in (torch.bfloat16, torch.float32, torch.float16), f"act_quant: dtype {x.dtype}"
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    M, N = x2.shape
-    q = torch.empty(M, N, dtype=fp8, device=x.device)
-    s = torch.empty(M, N // 128, dtype=torch.float32, device=x.device)
-    bm = block_m or (16 if M >= 16 else 1 << max(M - 1, 0).bit_length())
-    if M:
-        _act_quant_kernel[(triton.cdiv(M, bm), N // 128)](x2, q, s, M, N, BLOCK_M=bm, GROUP=128, FP8_MAX=fp8_max)
-    return q.reshape(x.shape), s.reshape(*x.shape[:-1], N // 128)
-
-
-# -----------------------------------------------------------------------------
-# Block-scaled FP8 GEMM: C[M, N] = sum over K blocks of (A_kb B_kb^T) * sa[m, kb] * sb[n // 128, kb]
-
-@triton.jit
-def _block_partial(A, B, rm, rn, kb, M, N, K, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, FNUZ: tl.constexpr):
-    """A_kb B_kb^T of one 128-wide K block: [BLOCK_M, BLOCK_N] in a fresh fp32 accumulator."""
-    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    a_ok = (rm[:, None] < M) & (k[None, :] < K)
-    b_ok = (rn[None, :] < N) & (k[:, None] < K)
-    if DECODE:                           # no FP8 hardware: decode bytes to fp16 (exact for every e4m3 value)
-        a = _e4m3_decode(tl.load(A + rm[:, None] * K + k[None, :], mask=a_ok, other=0), FNUZ).to(tl.float16)
-        b = _e4m3_decode(tl.load(B + rn[None, :] * K + k[:, None], mask=b_ok, other=0), FNUZ).to(tl.float16)
-    else:
-        a = tl.load(A + rm[:, None] * K + k[None, :], mask=a_ok, other=0.0)
-        b = tl.load(B + rn[None, :] * K + k[:, None], mask=b_ok, other=0.0)          # [BLOCK_K, BLOCK_N]
-    return tl.dot(a, b, out_dtype=tl.float32)
-
-
-@triton.jit
-def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     DECODE: tl.constexpr, FNUZ: tl.constexpr):
-    """Reference: quant.fp8_gemm. A [M, K] fp8 (row-major), B [N, K] fp8 (K contiguous, as stored),
-    SA [M, NUM_KB], SB [ceil(N/128), NUM_KB] float32, C [M, N]."""
-    pid = tl.program_id(0)
-    n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * n_n)                                     # grouped order: reuse B tiles in L2
-    first_m = group * GROUP_M
-    size_m = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
-    pid_n = (pid % (GROUP_M * n_n)) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(NUM_KB):
-        partial = _block_partial(A, B, rm, rn, kb, M, N, K, BLOCK_K, DECODE, FNUZ)
-        sa = tl.load(SA + rm * NUM_KB + kb, mask=rm < M, other=0.0)
-        sb = tl.load(SB + (rn // 128) * NUM_KB + kb, mask=rn < N, other=0.0)
-        acc += partial * (sa[:, None] * sb[None, :])                   # "2xAcc" promotion in fp32
-    tl.store(C + rm[:, None] * N + rn[None, :], acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-# Split K, for few output tiles (decode: small M, narrow weights): the blocks' partial products are
-# computed in parallel, then scaled and added in K order by the same fp32 operations as above, so the
-# output is bit for bit the unsplit kernel's.
-
-@triton.jit
-def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              DECODE: tl.constexpr, FNUZ: tl.constexpr):
-    """P [NUM_KB, M, N] float32 = A_kb B_kb^T, unscaled, for KB_PER consecutive K blocks per program."""
-    tile, ks = tl.program_id(0), tl.program_id(1)
-    n_n = tl.cdiv(N, BLOCK_N)
-    rm = (tile // n_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = (tile % n_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = (rm[:, None] < M) & (rn[None, :] < N)
-    for kb in range(ks * KB_PER, tl.minimum(NUM_KB, ks * KB_PER + KB_PER)):
-        partial = _block_partial(A, B, rm, rn, kb, M, N, K, BLOCK_K, DECODE, FNUZ)
-        tl.store(P + (kb * M + rm[:, None]).to(tl.int64) * N + rn[None, :], partial, mask=ok)
-
-
-@triton.jit
-def _fp8_gemm_combine_kernel(P, SA, SB, C, M, N, NUM_KB, BLOCK_N: tl.constexpr, KB_TILE: tl.constexpr):
-    """C [M, N] = sum over kb in order of P[kb] * (sa[m, kb] sb[n // 128, kb]), the fp32 operations of
-    _fp8_gemm_kernel's loop. One warp per (row, BLOCK_N columns within one weight scale block); KB_TILE
-    blocks' partials are loaded at once, each thread holding all KB_TILE rows of its columns, so
-    picking row j (x + -0 = x) and the in-order sum stay inside the thread. Rows past NUM_KB read as
-    0 and add +0, which leaves the sum as it is (it starts at +0 and, rounding to nearest, never
-    becomes -0)."""
-    m, nb = tl.program_id(0), tl.program_id(1)
-    rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rn < N
-    sb = SB + (nb * BLOCK_N // 128) * NUM_KB                           # this block's weight scales
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    for kb0 in range(0, NUM_KB, KB_TILE):
-        kb = kb0 + tl.arange(0, KB_TILE)
-        p = tl.load(P + (kb[:, None] * M + m).to(tl.int64) * N + rn[None, :], mask=(kb[:, None] < NUM_KB) & ok[None, :],
-                    other=0.0)
-        for j in tl.static_range(KB_TILE):
-            live = kb0 + j < NUM_KB
-            s = tl.load(SA + m * NUM_KB + kb0 + j, mask=live, other=0.0) * tl.load(sb + kb0 + j, mask=live, other=0.0)
-            acc += tl.sum(tl.where(kb[:, None] == kb0 + j, p, -0.0), 0) * s
-    tl.store(C + m.to(tl.int64) * N + rn, acc.to(C.dtype.element_ty), mask=ok)
-
-
-# Tile configurations by M (data): small M is weight-bandwidth bound, large M compute bound
-GEMM_CONFIGS = [  # (max M, BLOCK_M, BLOCK_N, num_warps, num_stages)
-    (16, 16, 64, 4, 4),
-    (64, 32, 128, 4, 4),
-    (256, 64, 128, 4, 3),
-    (1 << 62, 128, 128, 8, 3),
-]
-SPLIT_WAVES = 2                                        # split K until about this many waves of programs run,
-SPLIT_MIN_KB = 32                                      # when the K loop has this many blocks and the partials
-SPLIT_MAX_BYTES = 16 << 20                             # stay well inside L2 (H200 measurements, bench/RESULTS.md)
-COMBINE_TILE = (64, 32)                                # the combine's columns per warp (<= 128) and K blocks per load
-
-
-def gemm_config(M, configs=GEMM_CONFIGS):
-    for max_m, bm, bn, warps, stages in configs:
-        if M <= max_m:
-            return bm, bn, warps, stages
-
-
-def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decode=False, fnuz=False, split_k=None):
-    """a [M, K] fp8, sa [M, K/128] f32, b [N, K] fp8, sb [ceil(N/128), ceil(K/128)] f32 -> [M, N] out_dtype.
-    split_k: how many programs share one output tile's K blocks (None: enough to fill the GPU when the
-    output has fewer tiles than it has multiprocessors, K is long and the fp32 partials, nkb x M x N,
-    are small: decode; the result is the same either way)."""
-    M, K = a.shape
-    N = b.shape[0]
-    assert b.shape[1] == K and K % 128 == 0, f"fp8_gemm: shapes {tuple(a.shape)} x {tuple(b.shape)}"
-    assert sa.shape == (M, K // 128) and sb.shape == (-(-N // 128), K // 128), "fp8_gemm: scale shapes"
-    assert a.is_contiguous() and b.is_contiguous() and sa.is_contiguous() and sb.is_contiguous()
-    assert sa.dtype == torch.float32 and sb.dtype == torch.float32
-    c = torch.empty(M, N, dtype=out_dtype, device=a.device)
-    bm, bn, warps, stages = gemm_config(M, configs)
-    if decode:
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    nkb, tiles = K // 128, triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    if split_k is not None and split_k < 1:
-        raise ValueError(f"fp8_gemm: split_k = {split_k} < 1")
-    if split_k is None:
-        sms = sm_count(a.device)
-        few = tiles < sms and nkb >= SPLIT_MIN_KB and nkb * M * N * 4 <= SPLIT_MAX_BYTES
-        split_k = triton.cdiv(SPLIT_WAVES * sms, tiles) if few else 1
-    kb_per = triton.cdiv(nkb, max(1, min(split_k, nkb)))
-    split_k = triton.cdiv(nkb, kb_per)
-    if split_k == 1:
-        _fp8_gemm_kernel[(tiles,)](a, b, c, sa, sb, M, N, K, nkb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8,
-                                   DECODE=decode, FNUZ=fnuz, num_warps=warps, num_stages=stages)
-        return c
-    p = torch.empty(nkb, M, N, dtype=torch.float32, device=a.device)
-    _fp8_gemm_partials_kernel[(tiles, split_k)](a, b, p, M, N, K, nkb, kb_per, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128,
-                                                DECODE=decode, FNUZ=fnuz, num_warps=warps, num_stages=stages)
-    bn, kbt = COMBINE_TILE
-    _fp8_gemm_combine_kernel[(M, triton.cdiv(N, bn))](p, sa, sb, c, M, N, nkb, BLOCK_N=bn,
-                                                      KB_TILE=min(kbt, triton.next_power_of_2(nkb)), num_warps=1)
-    return c
-
-
-# -----------------------------------------------------------------------------
-# Grouped block-FP8 GEMM for the routed experts: rows gathered by index, one expert per row block
-
-@triton.jit
-def _moe_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, N, K, NUM_KB,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DECODE: tl.constexpr, FNUZ: tl.constexpr):
-    """Reference: quant.fp8_gemm on each row block's expert. A [*, K] fp8 with SA [*, NUM_KB];
-    B [E, N, K] fp8 with SB [E, ceil(N/128), NUM_KB] (all experts stacked); ROWS [P] the A row of
-    each output row (-1: padding); BLOCK_EXPERT [P / BLOCK_M] the expert of each row block (-1: none).
-    C [P, N]: output row p = A[ROWS[p]] @ B[expert]^T."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(BLOCK_EXPERT + pid_m)
-    if e >= 0:                                                         # blocks past the routed rows: nothing
-        p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row = tl.load(ROWS + p)
-        valid = row >= 0
-        row = tl.where(valid, row, 0)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        b_base = B + e.to(tl.int64) * N * K
-        sb_base = SB + e.to(tl.int64) * tl.cdiv(N, 128) * NUM_KB
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(NUM_KB):
-            k = kb * BLOCK_K + rk
-            a_ok = valid[:, None] & (k[None, :] < K)
-            b_ok = (rn[None, :] < N) & (k[:, None] < K)
-            if DECODE:
-                a = _e4m3_decode(tl.load(A + row[:, None] * K + k[None, :], mask=a_ok, other=0), FNUZ).to(tl.float16)
-                b = _e4m3_decode(tl.load(b_base + rn[None, :] * K + k[:, None], mask=b_ok, other=0), FNUZ).to(tl.float16)
-            else:
-                a = tl.load(A + row[:, None] * K + k[None, :], mask=a_ok, other=0.0)   # gathered token rows
-                b = tl.load(b_base + rn[None, :] * K + k[:, None], mask=b_ok, other=0.0)
-            partial = tl.dot(a, b, out_dtype=tl.float32)
-            sa = tl.load(SA + row * NUM_KB + kb, mask=valid, other=0.0)
-            sb = tl.load(sb_base + (rn // 128) * NUM_KB + kb, mask=rn < N, other=0.0)
-            acc += partial * (sa[:, None] * sb[None, :])
-        tl.store(C + p[:, None] * N + rn[None, :], acc.to(C.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
-
-
-MOE_BLOCK_M = 16
-
-
-def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, decode=False, fnuz=False, block_n=64):
-    """a [R, K] fp8, sa [R, K/128], b [E, N, K] fp8, sb [E, ceil(N/128), K/128], rows [P] int (P a multiple of
-    MOE_BLOCK_M), block_expert [P / MOE_BLOCK_M] int -> [P, N]; padding rows are left unwritten."""
-    R, K = a.shape
-    E, N, _ = b.shape
-    P = rows.shape[0]
-    assert P % MOE_BLOCK_M == 0 and block_expert.shape[0] == P // MOE_BLOCK_M and K % 128 == 0
-    assert a.is_contiguous() and b.is_contiguous() and sa.is_contiguous() and sb.is_contiguous()
-    c = torch.empty(P, N, dtype=out_dtype, device=a.device)
-    if decode:
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    grid = (P // MOE_BLOCK_M, triton.cdiv(N, block_n))
-    _moe_gemm_kernel[grid](a, sa, b, sb, c, rows, block_expert, N, K, K // 128, BLOCK_M=MOE_BLOCK_M, BLOCK_N=block_n,
-                           BLOCK_K=128, DECODE=decode, FNUZ=fnuz, num_warps=4, num_stages=3)
-    return c
-
-
-# -----------------------------------------------------------------------------
-# DSA kernels. Positions arrive as a device integer [1] (POS, read as int32): a captured decode step
-# reads its position from memory, so the same launch serves every step.
-
-def _pos_tensor(start_pos, device):  # an int, or a 0-d device tensor (captured decode) -> an integer [1] on the device
-    if isinstance(start_pos, torch.Tensor):
-        if start_pos.device == torch.device(device) and start_pos.dtype in (torch.int32, torch.int64):
-            return start_pos.reshape(1)                # a view: no conversion launch per kernel in a decode step
-        return start_pos.reshape(1).to(device=device, dtype=torch.int32)
-    return torch.full((1,), int(start_pos), dtype=torch.int32, device=device)
-
-
-# -----------------------------------------------------------------------------
-# The indexer's per-token steps between its projections and eq. (1), fused (official numerics): RoPE,
-# the key's LayerNorm, the Hadamard rotation, FP8 quantisation, the key cache write and the head weights.
-# Each fp32 operation is the reference's, rounded alike (no FMA contraction: enable_fp_fusion=False).
-
-@triton.jit
-def _bf16_round(x):  # fp32 -> the nearest bf16 value (ties to even) as fp32, from the bits; NaN stays NaN
-    b = x.to(tl.int32, bitcast=True)
-    return tl.where(x != x, x, ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
-
+# RoPE in either layout: official numerics' elementwise glue, one launch where PyTorch takes several.
+# _rope, the rotation itself, serves index_prep too. The fp32 operations are PyTorch's, rounded alike.
 
 @triton.jit
 def _rope(x, cos, sin, ROWS: tl.constexpr, D: tl.constexpr, R: tl.constexpr, INTERLEAVED: tl.constexpr):
@@ -358,6 +67,54 @@ def _rope(x, cos, sin, ROWS: tl.constexpr, D: tl.constexpr, R: tl.constexpr, INT
         y = tl.permute(y, (0, 1, 3, 2))
     return tl.reshape(y, (ROWS, D))
 
+
+@triton.jit
+def _rope_kernel(X, COS, SIN, Y, ROWS, H, T, sb, st, sh, R: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Reference: rope.rope_interleaved / rope.rope_half_split. X [B, T, H, R] with strides (sb, st, sh, 1),
+    COS, SIN [T, R/2] -> Y [B, T, H, R] contiguous float32. BLOCK rows per program."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows[:, None] < ROWS
+    bi, t, h = rows // (T * H), (rows // H) % T, rows % H
+    rr, i = tl.arange(0, R)[None, :], tl.arange(0, R // 2)[None, :]
+    x = tl.load(X + (bi.to(tl.int64) * sb + t.to(tl.int64) * st + h.to(tl.int64) * sh)[:, None] + rr, mask=ok,
+                other=0.0).to(tl.float32)
+    c = tl.load(COS + t[:, None] * (R // 2) + i, mask=ok, other=0.0)
+    s = tl.load(SIN + t[:, None] * (R // 2) + i, mask=ok, other=0.0)
+    tl.store(Y + rows.to(tl.int64)[:, None] * R + rr, _rope(x, c, s, BLOCK, R, R, INTERLEAVED), mask=ok)
+
+
+def rope(x, cos, sin, interleaved):
+    """x [B, T, H, R] (any strides, last one 1; float32 or bf16), cos, sin [T, R/2] -> [B, T, H, R] float32,
+    the rotation of rope.rope_interleaved (interleaved) or rope.rope_half_split."""
+    B, T, H, R = x.shape
+    if cos.shape != (T, R // 2) or sin.shape != cos.shape or R & (R - 1) or x.stride(-1) != 1:
+        raise ValueError(f"rope: x {tuple(x.shape)} (strides {x.stride()}), cos {tuple(cos.shape)} do not fit")
+    y = torch.empty(B, T, H, R, dtype=torch.float32, device=x.device)
+    rows = B * T * H
+    block = max(1, min(64, 4096 // R))
+    _rope_kernel[(triton.cdiv(rows, block),)](x, cos.float().contiguous(), sin.float().contiguous(), y, rows, H, T,
+                                              *x.stride()[:3], R=R, INTERLEAVED=interleaved, BLOCK=block,
+                                              num_warps=4, enable_fp_fusion=False)
+    return y
+
+
+# -----------------------------------------------------------------------------
+# DSA kernels. Positions arrive as a device integer [1] (POS, read as int32): a captured decode step
+# reads its position from memory, so the same launch serves every step.
+
+def _pos_tensor(start_pos, device):  # an int, or a 0-d device tensor (captured decode) -> an integer [1] on the device
+    if isinstance(start_pos, torch.Tensor):
+        if start_pos.device == torch.device(device) and start_pos.dtype in (torch.int32, torch.int64):
+            return start_pos.reshape(1)                # a view: no conversion launch per kernel in a decode step
+        return start_pos.reshape(1).to(device=device, dtype=torch.int32)
+    return torch.full((1,), int(start_pos), dtype=torch.int32, device=device)
+
+
+# -----------------------------------------------------------------------------
+# The indexer's per-token steps between its projections and eq. (1), fused (official numerics): RoPE,
+# the key's LayerNorm, the Hadamard rotation, FP8 quantisation, the key cache write and the head weights.
+# Each fp32 operation is the reference's, rounded alike (no FMA contraction: enable_fp_fusion=False).
 
 @triton.jit
 def _hadamard(x, ROWS: tl.constexpr, D: tl.constexpr):  # [ROWS, D] float64 -> x H_D (Sylvester; symmetric)
@@ -433,7 +190,8 @@ def index_prep(q, k, xw, cos, sin, ln_w, ln_b, k_cache, k_scale_cache, start_pos
     """q [B, T, J, D], k [B, T, D] (the projections' bf16-valued outputs), xw [B, T, J] (x weights_proj^T,
     fp32), cos, sin [T, R/2], the key LayerNorm's ln_w, ln_b [D] -> (q codes [B, T, J, D] in k_cache's
     FP8 type, head weights w [B, T, J]); the keys' codes and scales go to k_cache [>=B, CAP, D],
-    k_scale_cache [>=B, CAP] at start_pos + t (an int, or a 0-d device tensor: captured decode)."""
+    k_scale_cache [>=B, CAP] at start_pos + t (an int, or a 0-d device tensor: captured decode).
+    Reference: indexer.index_prep_ref."""
     B, T, J, D = q.shape
     R = 2 * cos.shape[-1]
     if k.shape != (B, T, D) or xw.shape != (B, T, J) or cos.shape != (T, R // 2) or sin.shape != cos.shape \
@@ -461,56 +219,6 @@ def index_prep(q, k, xw, cos, sin, ln_w, ln_b, k_cache, k_scale_cache, start_pos
 @functools.lru_cache(None)
 def _hadamard_scale(D, device):  # D^-0.5 as a float64 [1] on the device (as indexer.rotate_activation_ref)
     return torch.tensor([D ** -0.5], dtype=torch.float64, device=device)
-
-
-# -----------------------------------------------------------------------------
-# Elementwise glue of official numerics, one launch each where PyTorch takes several: RoPE in either
-# layout, and rounding float32 to bf16 values. The fp32 operations are PyTorch's, rounded alike.
-
-@triton.jit
-def _rope_kernel(X, COS, SIN, Y, ROWS, H, T, sb, st, sh, R: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Reference: rope.rope_interleaved / rope.rope_half_split. X [B, T, H, R] with strides (sb, st, sh, 1),
-    COS, SIN [T, R/2] -> Y [B, T, H, R] contiguous float32. BLOCK rows per program."""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = rows[:, None] < ROWS
-    bi, t, h = rows // (T * H), (rows // H) % T, rows % H
-    rr, i = tl.arange(0, R)[None, :], tl.arange(0, R // 2)[None, :]
-    x = tl.load(X + (bi.to(tl.int64) * sb + t.to(tl.int64) * st + h.to(tl.int64) * sh)[:, None] + rr, mask=ok,
-                other=0.0).to(tl.float32)
-    c = tl.load(COS + t[:, None] * (R // 2) + i, mask=ok, other=0.0)
-    s = tl.load(SIN + t[:, None] * (R // 2) + i, mask=ok, other=0.0)
-    tl.store(Y + rows.to(tl.int64)[:, None] * R + rr, _rope(x, c, s, BLOCK, R, R, INTERLEAVED), mask=ok)
-
-
-def rope(x, cos, sin, interleaved):
-    """x [B, T, H, R] (any strides, last one 1; float32 or bf16), cos, sin [T, R/2] -> [B, T, H, R] float32,
-    the rotation of rope.rope_interleaved (interleaved) or rope.rope_half_split."""
-    B, T, H, R = x.shape
-    if cos.shape != (T, R // 2) or sin.shape != cos.shape or R & (R - 1) or x.stride(-1) != 1:
-        raise ValueError(f"rope: x {tuple(x.shape)} (strides {x.stride()}), cos {tuple(cos.shape)} do not fit")
-    y = torch.empty(B, T, H, R, dtype=torch.float32, device=x.device)
-    rows = B * T * H
-    block = max(1, min(64, 4096 // R))
-    _rope_kernel[(triton.cdiv(rows, block),)](x, cos.float().contiguous(), sin.float().contiguous(), y, rows, H, T,
-                                              *x.stride()[:3], R=R, INTERLEAVED=interleaved, BLOCK=block,
-                                              num_warps=4, enable_fp_fusion=False)
-    return y
-
-
-@triton.jit
-def _bf16_round_kernel(X, Y, N, BLOCK: tl.constexpr):
-    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(Y + at, _bf16_round(tl.load(X + at, mask=at < N, other=0.0)), mask=at < N)
-
-
-def bf16_round(x):  # float32 tensor -> the nearest bf16 values, as float32 (quant.bf16_round), one launch
-    if x.dtype != torch.float32:
-        raise ValueError(f"bf16_round: float32 input expected, got {x.dtype}")
-    x = x.contiguous()
-    y = torch.empty_like(x)
-    _bf16_round_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096, num_warps=4)
-    return y
 
 
 # -----------------------------------------------------------------------------
@@ -1165,7 +873,9 @@ def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=Non
     rows) = unselected entries (-1) read the sequence's row 0 without load masks, their scores at
     -inf (row 0 is written before any query can attend, so it holds finite values). The defaults are
     the fastest on an H200 for FP8 and bf16 rows (bench/RESULTS.md); float32 rows (exact numerics)
-    take bf16's, unmeasured."""
+    take bf16's, unmeasured.
+    Reference: attention.mqa_absorbed_ref up to its weighted latent o (before W^UV), allowed = the
+    selected positions (or, dense, the causal ones)."""
     packed = cache.dtype == torch.uint8
     ahead = not packed if ahead is None else ahead
     clamp = packed if clamp is None else clamp
@@ -1177,7 +887,8 @@ def sparse_mla_prefill(qa, q_pe, cache, idx, scale, start_pos, S=None, out_dtype
                        block_h=None, block_n=64, num_warps=8, num_stages=2, decode=False, q_in_loop=True,
                        halves=None, late_sum=None, ahead=False, clamp=False):
     """sparse_mla_decode's arguments for a chunk of many queries: one program per (query, block of
-    heads) over its whole selected set, the output written directly in out_dtype (no combine)."""
+    heads) over its whole selected set, the output written directly in out_dtype (no combine).
+    Reference: attention.mqa_absorbed_ref, as sparse_mla_decode."""
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], 1,
                        out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp)
 

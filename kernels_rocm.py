@@ -1,7 +1,7 @@
 """The fast path's kernels for AMD GPUs (ROCm): act_quant, fp8_gemm, moe_gemm, rope, bf16_round and the
 DSA kernels (index_prep, index_scores, topk_indices, sparse_mla_decode, sparse_mla_prefill) under the
-same names as in kernels_cuda.py, from the same Triton sources, with what differs by architecture kept
-as data below.
+same names as in kernels_cuda.py (act_quant, fp8_gemm, moe_gemm and bf16_round re-exported there from
+kernels_fp8.py), from the same Triton sources, with what differs by architecture kept as data below.
 
     gfx942 (MI300/MI325)  e4m3fnuz, maximum 240: checkpoint e4m3fn bytes are reinterpreted as e4m3fnuz
                           with the scale doubled (0x80, -0 in e4m3fn, is NaN in e4m3fnuz: mapped to 0);

@@ -1,4 +1,4 @@
-"""Block-FP8 GEMM and act_quant (kernels_cuda.py) on DeepSeek-V3.2-Exp's real shapes, on one GPU.
+"""Block-FP8 GEMM and act_quant (kernels_fp8.py) on DeepSeek-V3.2-Exp's real shapes, on one GPU.
 
 For each weight shape [N, K] and M in (1, 16, 128, 2048, 8192): kernel time (median of CUDA-event
 timed replays of the call captured in a CUDA graph, as a captured decode step runs it: GPU time
@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-torch = kernels_cuda = None                      # imported in main(): --render needs neither
+torch = kernels_fp8 = None                       # imported in main(): --render needs neither
 
 
 def _imports():
-    global torch, kernels_cuda
+    global torch, kernels_fp8
     import torch
-    import kernels_cuda
+    import kernels_fp8
 
 SHAPES = {  # name -> (N, K) of the weight, DeepSeek-V3.2-Exp (spec/dsv32.md §2.1)
     "q_a": (1536, 7168), "q_b": (24576, 1536), "kv_a": (576, 7168), "kv_b": (32768, 512), "o": (7168, 16384),
@@ -120,10 +120,10 @@ def main():
         wb = (torch.randn(K, N, device="cuda") * 0.05).to(torch.bfloat16)
         for M in MS:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            q, s = kernels_cuda.act_quant(x)
-            t = timed(lambda: kernels_cuda.fp8_gemm(q, s, w, sw))
+            q, s = kernels_fp8.act_quant(x)
+            t = timed(lambda: kernels_fp8.fp8_gemm(q, s, w, sw))
             tb = timed(lambda: x @ wb)
-            ta = timed(lambda: kernels_cuda.act_quant(x))
+            ta = timed(lambda: kernels_fp8.act_quant(x))
             rows.append(dict(shape=name, M=M, N=N, K=K, ms=t, bf16_ms=tb, act_quant_ms=ta))
     Path(a.out).mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
