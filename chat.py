@@ -56,6 +56,27 @@ arguments), `error`, and `finish`. Malformed output never raises and never loses
 
 `finish_reason` is `tool_calls` only when at least one call with valid JSON arguments was parsed.
 Tool-call ids (`call_` + 24 hex digits) appear only in each call's first event.
+
+A session with the bundled tiny checkpoint (random weights, so the words are noise; the format is
+not). Thinking mode shows the reasoning apart; with `--tools`, a tool call is printed as JSON and its
+result asked for, and it goes back to the model as a tool message:
+
+    $ .venv/bin/python generate.py --ckpt tiny-v32 --interactive --thinking --max-new-tokens 12 --temperature 0
+    >>> What is 2+2?
+    [reasoning]  estas institution assemblages zones� best grieાર tum tolerant →
+    .Mathematics
+    prefill: 11 tokens in 0.26 s (42.7 tok/s); decode: 11 tokens in 0.39 s (28.1 tok/s)
+    >>> /exit
+
+    $ .venv/bin/python generate.py --ckpt DIR --interactive --tools tools.json     # a trained checkpoint
+    >>> What time is it in Tokyo?
+    [tool call] {"name": "get_time", "arguments": {"city": "Tokyo"}}
+    result of get_time> 10:00
+    It is 10:00 in Tokyo.
+
+(The second session's flow is exercised in `tests/test_generate.py` with a scripted stand-in model,
+since the tiny model never writes a well-formed call.) Each model turn reuses the KV cache: only the
+tokens the caches do not already hold are prefilled.
 """
 import codecs
 import functools

@@ -47,6 +47,24 @@ from kernels_fp8 import _bf16_round, _e4m3_decode, _interpreted, _ue8m0_quant   
 
 
 # -----------------------------------------------------------------------------
+# What differs by GPU vendor, as kernels_rocm.py states it for AMD: on NVIDIA the checkpoint's own format
+
+def prepare_weight(w, scale):  # checkpoint e4m3fn codes + scales -> this GPU's storage: unchanged
+    return w, scale
+
+
+def fp8_dtype():  # what the indexer's FP8 key cache holds
+    return FP8
+
+
+latent_quant = act_quant        # the packed latent rows' e4m3fn codes and scales (spec/kernels.md §3.4)
+
+
+def fp8_stores():  # Triton stores FP8 here (index_prep runs)
+    return True
+
+
+# -----------------------------------------------------------------------------
 # RoPE in either layout: official numerics' elementwise glue, one launch where PyTorch takes several.
 # _rope, the rotation itself, serves index_prep too. The fp32 operations are PyTorch's, rounded alike.
 
@@ -172,7 +190,8 @@ def _index_prep_keys(KR, COS, SIN, LNW, LNB, HS, K8, KS, POS, r0, BT, T, CAP, ep
 @triton.jit
 def _index_prep_kernel(Q, KR, XW, COS, SIN, LNW, LNB, HS, Q8, QS, WQ, K8, KS, POS, BT, T, J, CAP, eps, c_j, c_d,
                        D: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Reference: indexer.indexer_forward from q = wq_b(qr) and k = wk(x) to the scores' inputs.
+    """Reference: indexer.index_prep_ref (indexer_forward's steps from q = wq_b(qr) and k = wk(x) to
+    the scores' inputs).
     Q [BT, J, D] (bf16 values), KR [BT, D] (bf16 values), XW [BT, J] = x weights_proj^T (fp32), COS, SIN
     [T, R/2] -> Q8 [BT, J, D] fp8 and QS [BT, J]; WQ [BT, J] the head weights (eq. 1's w with J^-0.5,
     the q scale and D^-0.5 folded in, as head_weights_ref); the keys' codes and scales into the cache
@@ -228,8 +247,8 @@ def _hadamard_scale(D, device):  # D^-0.5 as a float64 [1] on the device (as ind
 def _index_scores_kernel(Q, W, K, KS, OUT, POS, T, S, J, SPLIT,
                          BQ: tl.constexpr, JP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          IEEE: tl.constexpr, DECODE: tl.constexpr, FNUZ: tl.constexpr):
-    """Reference: indexer.index_scores_ref, with -inf at each query's future keys. One program per
-    (sequence, block of BQ queries, split of the keys): the queries' rows q [BQ * JP, D] (every head
+    """Reference: indexer.index_scores_causal_ref (index_scores_ref with -inf at each query's future
+    keys). One program per (sequence, block of BQ queries, split of the keys): the queries' rows q [BQ * JP, D] (every head
     of each query) stay in registers while key blocks stream past. Keys on the MMA's M side (as
     DeepGEMM): logits [BLOCK_N, BQ * JP] in one MMA, ReLU per head, the signed head weights, the sum
     over each query's heads (within a thread's registers), then the key scale (> 0, so it commutes
@@ -484,8 +503,8 @@ def _radix_select(SCORES, CSCORE, CNT, SMALL, row, S, m, need, listed, CAPS, BLO
 @triton.jit
 def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, SMALL, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr,
                  LISTS: tl.constexpr, NS: tl.constexpr):
-    """Reference: indexer.topk_select_ref (as indices). Top-k, step 2, one program per query row, over
-    its step-1 lists or its whole row (_row_keys; LISTS = False: step 1 did not run): the K-th largest
+    """Reference: indexer.topk_indices_ref (topk_select_ref as indices). Top-k, step 2, one program per
+    query row, over its step-1 lists or its whole row (_row_keys; LISTS = False: step 1 did not run): the K-th largest
     key by _radix_select, then every key above it and the lowest-indexed keys equal to it (ties toward
     the lower index) are written out in index order; the row is padded with -1 when it has fewer than
     K causal keys."""
@@ -891,21 +910,3 @@ def sparse_mla_prefill(qa, q_pe, cache, idx, scale, start_pos, S=None, out_dtype
     Reference: attention.mqa_absorbed_ref, as sparse_mla_decode."""
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], 1,
                        out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp)
-
-
-# -----------------------------------------------------------------------------
-# What differs by GPU vendor, as kernels_rocm.py states it for AMD: on NVIDIA the checkpoint's own format
-
-def prepare_weight(w, scale):  # checkpoint e4m3fn codes + scales -> this GPU's storage: unchanged
-    return w, scale
-
-
-def fp8_dtype():  # what the indexer's FP8 key cache holds
-    return FP8
-
-
-latent_quant = act_quant        # the packed latent rows' e4m3fn codes and scales (spec/kernels.md §3.4)
-
-
-def fp8_stores():  # Triton stores FP8 here (index_prep runs)
-    return True
