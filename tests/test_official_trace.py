@@ -4,6 +4,7 @@ FP8 codes and scales bit for bit, bf16 values within one bf16 ulp, fp32 values w
 relative, selections as sets. Every backend's op table is held to the trace: the NumPy reference,
 torch on the CPU, and torch on a GPU (with its Triton kernels) where one is present.
 Then the whole model on the same fixture."""
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -106,7 +107,9 @@ def test_attention_ops(fx, trace, i):
     assert_bf16_close(host(o).reshape(1, T, -1), t["attn_core_out"], what="attention core")
     assert_bf16_close(host(ops.linear(P(t["attn_core_out"]), p["wo"], True)), t["attn_out"], what="wo")
 
-    # the whole attention layer from its input reproduces the trace's output
+    # the whole attention layer from its input reproduces the trace's output, through the unfused
+    # layout whose caches the trace holds (the GPU's DSA kernels' path: tests/test_dsa_path.py)
+    ops = dataclasses.replace(ops, latent_cache=None, store_latent=None, latent_attention=None, selection_mask=None)
     cache = LayerCache(1, a, True, ops)
     cache.reserve(T)
     f = rope.yarn_freqs(a.qk_rope_head_dim, a.rope_theta, a.max_seq_len, a.original_seq_len, a.rope_factor,
