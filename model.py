@@ -35,7 +35,7 @@ import checkpoint
 import quant
 import rope
 from config import ModelArgs
-from ops import NUMPY_OPS, make_ops
+from ops import NUMPY_OPS
 
 
 # -----------------------------------------------------------------------------
@@ -139,6 +139,17 @@ def probe_experts(w, host_layers, ops, rows=2):
 
 # -----------------------------------------------------------------------------
 # Weights onto the backend, and the copies made from them at load
+
+def make_ops(backend, device=None):  # the op table of a backend ("numpy", or "torch" on a device)
+    if backend == "numpy":
+        if device not in (None, "cpu"):
+            raise ValueError(f"device {device!r} needs backend='torch'; the NumPy reference runs on the CPU")
+        return NUMPY_OPS
+    if backend == "torch":
+        import backend_torch                                 # torch is needed only here
+        return backend_torch.torch_ops(device or "cpu")
+    raise ValueError(f"backend must be 'numpy' or 'torch', got {backend!r}")
+
 
 def to_backend(w, ops):  # a nested weight dict -> the same with every array handed to ops.param
     if isinstance(w, quant.Weight):

@@ -135,14 +135,3 @@ NUMPY_OPS = Ops(
     head=lambda h, w: h @ w.T, to_f32=lambda a: np.asarray(a, np.float32),
     param=lambda a: a, weight=lambda W: W, plain_weight=lambda W: W,
 )
-
-
-def make_ops(backend, device=None):  # the op table of a backend ("numpy", or "torch" on a device)
-    if backend == "numpy":
-        if device not in (None, "cpu"):
-            raise ValueError(f"device {device!r} needs backend='torch'; the NumPy reference runs on the CPU")
-        return NUMPY_OPS
-    if backend == "torch":
-        import backend_torch                                 # torch is needed only here
-        return backend_torch.torch_ops(device or "cpu")
-    raise ValueError(f"backend must be 'numpy' or 'torch', got {backend!r}")

@@ -16,8 +16,7 @@ import rope
 from config import ModelArgs
 from conftest import FIXTURE_CKPT, backends
 from helpers import assert_bf16_close, rel_err
-from model import LayerCache, Transformer, load_layer, to_backend
-from ops import make_ops
+from model import LayerCache, Transformer, load_layer, make_ops, to_backend
 
 
 @pytest.fixture(scope="module", params=backends())
