@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up in .venv, quiet when everything is there:
-#   ./setup.sh          the demo's packages (requirements.txt: NumPy, ml_dtypes, tokenizers; about 60 MB)
+#   ./setup.sh          the demo's packages (requirements.txt: NumPy, ml_dtypes, tokenizers; about 150 MB)
 #   ./setup.sh --tests  and the test suite's (requirements-test.txt: torch's CPU build, triton,
 #                       transformers, hypothesis...; about 2 GB)
 # Every version comes from constraints.txt (the lock). Then the bundled tiny checkpoint tiny-v32/,
