@@ -23,10 +23,17 @@ import indexer
 import quant
 
 
-def softmax_ref(z, axis=-1):  # float32, max subtracted; -inf entries get probability 0
+def softmax_ref(z, axis=-1, sink=None):  # float32, max subtracted; -inf entries get probability 0
+    """sink (V4): one more logit per row whose value vector is zero, z [..., H, T, S] with sink [H]:
+    it joins the denominator only, so a row's probabilities sum to less than 1."""
     z = np.asarray(z, np.float32)
-    e = np.exp(z - z.max(axis, keepdims=True))
-    return e / e.sum(axis, keepdims=True)
+    m = z.max(axis, keepdims=True)
+    if sink is not None:
+        s = np.asarray(sink, np.float32)[:, None, None]                     # [H, 1, 1]
+        m = np.maximum(m, s)
+    e = np.exp(z - m)
+    denom = e.sum(axis, keepdims=True) + (0 if sink is None else np.exp(s - m))
+    return e / denom
 
 
 def mha_ref(q_nope, q_pe, k_nope, k_pe, v, allowed, scale, rnd):

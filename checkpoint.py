@@ -34,6 +34,7 @@ DTYPES = {
     "F16": np.dtype(np.float16), "F32": np.dtype(np.float32), "F64": np.dtype(np.float64),
     "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I8": np.dtype(np.int8),
     "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),       # V4's power-of-two block scales (ue8m0)
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -193,23 +194,26 @@ class Checkpoint:
         return self._maps[shard][begin:end].view(dtype).reshape(shape)
 
     def weight(self, prefix, dtypes=("F8_E4M3", "BF16", "F32")):  # "model.layers.0.self_attn.q_a_proj" -> quant.Weight
-        """A linear's codes + scale: FP8 with its F32 weight_scale_inv (the real checkpoint's linears),
-        or unquantized BF16 / F32 (bf16 conversions of the checkpoint; the router and weights_proj)."""
+        """A linear's codes + scale: FP8 with its F32 `weight_scale_inv` (V3.2) or F8_E8M0 `.scale` (V4),
+        128x128 blocks; V4's FP4 experts (I8: e2m1 codes two per byte, low nibble first) with their
+        F8_E8M0 `.scale` per 1x32; or unquantized BF16 / F32 (bf16 conversions, routers, projections)."""
         w = self.get(prefix + ".weight", dtypes)
-        scale_name = prefix + ".weight_scale_inv"
-        if w.dtype == DTYPES["F8_E4M3"]:
-            if scale_name not in self:
-                raise CheckpointError(f"{self.path}: FP8 weight {prefix}.weight has no weight_scale_inv")
-            s = np.asarray(self.get(scale_name, ("F32",)), np.float32)
+        if w.dtype not in (DTYPES["F8_E4M3"], DTYPES["I8"]):
+            return quant.Weight(w, None)
+        names = [n for n in (prefix + ".weight_scale_inv", prefix + ".scale") if n in self]
+        if not names:
+            raise CheckpointError(f"{self.path}: quantized weight {prefix}.weight has no weight_scale_inv or scale")
+        scale_dtype = ("F32",) if names[0].endswith("weight_scale_inv") else ("F8_E8M0",)   # V3.2's, V4's
+        s = np.asarray(self.get(names[0], scale_dtype), np.float32)               # E8M0: powers of two, exact
+        if w.dtype == DTYPES["I8"]:                                                # FP4: [N, K/2] bytes, [N, K/32]
+            want = (w.shape[0], 2 * w.shape[1] // quant.MX_BLOCK)
+            w = w.view(np.uint8)
+        else:
             want = (-(-w.shape[0] // quant.BLOCK), -(-w.shape[1] // quant.BLOCK))
-            if s.shape != want:
-                raise CheckpointError(f"{self.path}: {scale_name} has shape {s.shape}, expected {want}")
-            return quant.Weight(w, s)
-        return quant.Weight(w, None)
+        if s.shape != want:
+            raise CheckpointError(f"{self.path}: {names[0]} has shape {s.shape}, expected {want}")
+        return quant.Weight(w, s)
 
-
-# -----------------------------------------------------------------------------
-# Writing
 
 def save_safetensors(path, tensors):  # {name: np array} -> one .safetensors file
     header, offset = {}, 0

@@ -67,15 +67,19 @@ def index_scores_ref(q, w, k, k_scale):  # [B, T, J, D], [B, T, J], [B, S, D], [
 # -----------------------------------------------------------------------------
 # eq. (2): causal top-k selection
 
-def causal_ref(T, start_pos, S=None):  # -> [T, S] bool: key s visible to query t iff s <= start_pos + t
-    return np.arange(start_pos + T if S is None else S)[None, :] <= (start_pos + np.arange(T))[:, None]
+def causal_ref(T, start_pos, S=None, ratio=1):  # -> [T, S] bool: key s visible to query t
+    """V3.2: every key up to the query, s <= start_pos + t. V4's compressed keys (ratio m, one key per
+    window of m tokens): only complete windows, s < floor((start_pos + t + 1) / m); m = 1 is V3.2's rule."""
+    S = (start_pos + T) // ratio if S is None else S
+    return np.arange(S)[None, :] < (start_pos + np.arange(T) + 1)[:, None] // ratio
 
 
-def topk_select_ref(I, K, start_pos):  # [B, T, S] f32, top-k, offset -> [B, T, S] bool
-    """Select min(K, S) keys per query among the causal ones (key s <= start_pos + t). Ties break
-    toward the lower key index (a stable sort), so two runs always choose alike."""
+def topk_select_ref(I, K, start_pos, ratio=1):  # [B, T, S] f32, top-k, offset -> [B, T, S] bool
+    """Select min(K, S) keys per query among the causal ones (causal_ref: key s <= start_pos + t, or
+    V4's complete windows of `ratio` tokens). Ties break toward the lower key index (a stable sort),
+    so two runs always choose alike."""
     B, T, S = I.shape
-    causal = causal_ref(T, start_pos, S)                                      # [T, S]
+    causal = causal_ref(T, start_pos, S, ratio)                               # [T, S]
     masked = np.where(causal[None], I, -np.inf)
     k = min(K, S)
     order = np.argsort(-masked, axis=-1, kind="stable")[..., :k]              # [B, T, k]

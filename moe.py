@@ -21,22 +21,29 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
-def mlp_ref(x, p, official):  # [M, d] -> [M, d]: w2( silu(w1 x) * (w3 x) ), SwiGLU
+def mlp_ref(x, p, official, limit=None):  # [M, d] -> [M, d]: w2( silu(w1 x) * (w3 x) ), SwiGLU
+    """limit (V4's swiglu_limit): silu(min(w1 x, limit)) * clip(w3 x, -limit, limit)."""
     rnd = quant.bf16_round if official else quant.no_round
     a = quant.linear_ref(x, p["w1"], official)
     b = quant.linear_ref(x, p["w3"], official)
+    if limit is not None:                                                 # not in V3: V4's clamped SwiGLU
+        a, b = np.minimum(a, np.float32(limit)), np.clip(b, np.float32(-limit), np.float32(limit))
     return quant.linear_ref(rnd(silu(a) * b), p["w2"], official)          # silu * up in fp32, then bf16
 
 
-def gate_ref(x, weight, bias, args):  # [M, d], [E, d], [E] or None -> weights [M, K] f32, indices [M, K]
+def gate_ref(x, weight, bias, args, hashed=None):  # [M, d], [E, d], [E] or None -> weights [M, K] f32, indices [M, K]
+    """hashed [M, K] (V4's first layers, tid2eid of each token): the experts are given, the scores
+    still weight them."""
     logits = np.asarray(x, np.float32) @ np.asarray(weight, np.float32).T  # fp32 router (official)
-    if args.scoring_func == "sigmoid":
+    if args.scoring_func == "sqrtsoftplus":                               # V4: sqrt(softplus(u . e))
+        s = np.sqrt(np.logaddexp(np.float32(0), logits)).astype(np.float32)
+    elif args.scoring_func == "sigmoid":
         s = 1 / (1 + np.exp(-logits))                                     # eq. (15)
     elif args.scoring_func == "softmax":
         e = np.exp(logits - logits.max(-1, keepdims=True))
         s = e / e.sum(-1, keepdims=True)
     else:
-        raise ValueError(f"scoring_func {args.scoring_func!r} is not sigmoid or softmax")
+        raise ValueError(f"scoring_func {args.scoring_func!r} is not sqrtsoftplus, sigmoid or softmax")
     choice = s if bias is None else s + bias                              # bias: for choice only
     M, E = s.shape
     G = args.n_group
@@ -51,18 +58,23 @@ def gate_ref(x, weight, bias, args):  # [M, d], [E, d], [E] or None -> weights [
         np.put_along_axis(in_kept, keep, True, -1)
         choice = np.where(np.repeat(in_kept, E // G, 1), choice, -np.inf)
     idx = np.argsort(-choice, -1, kind="stable")[:, :args.num_experts_per_tok]    # [M, K], best first
+    if hashed is not None:                                                # V4 hash routing: the table's choice
+        idx = np.asarray(hashed, np.int64)
     w = np.take_along_axis(s, idx, -1)                                    # original scores, no bias
     if args.norm_topk_prob:
         w = w / w.sum(-1, keepdims=True)                                  # eq. (14), no epsilon
     return (w * np.float32(args.routed_scaling_factor)).astype(np.float32), idx
 
 
-def moe_ref(x, p, args, official):  # [M, d] -> [M, d]
-    """Routed experts accumulate in fp32 in expert-id order, the shared experts last, one rounding."""
-    w, idx = gate_ref(x, p["gate"].dequant(), p.get("gate_bias"), args)
+def moe_ref(x, p, args, official, tokens=None):  # [M, d] -> [M, d]
+    """Routed experts accumulate in fp32 in expert-id order, the shared experts last, one rounding.
+    V4: tokens [M] (the input ids) route the layers holding a tid2eid table; args.swiglu_limit clamps."""
+    hashed = p["tid2eid"][tokens] if "tid2eid" in p else None
+    w, idx = gate_ref(x, p["gate"].dequant(), p.get("gate_bias"), args, hashed)
+    limit = args.swiglu_limit
     y = np.zeros(x.shape, np.float32)
     for e in np.unique(idx):                                              # only experts some token chose
         tok, slot = np.nonzero(idx == e)
-        y[tok] += mlp_ref(x[tok], p["experts"][e], official) * w[tok, slot, None]
-    y += mlp_ref(x, p["shared_experts"], official)                   # eq. (12), shared experts
+        y[tok] += mlp_ref(x[tok], p["experts"][e], official, limit) * w[tok, slot, None]
+    y += mlp_ref(x, p["shared_experts"], official, limit)            # eq. (12), shared experts
     return quant.bf16_round(y) if official else y

@@ -150,12 +150,14 @@ def fp8_gemm(a, sa, b, sb, block_size=BLOCK):  # [M, K] fp8, [M, Kb], [N, K] fp8
 # A linear layer as the checkpoint stores it: FP8 codes + block scales, or plain float weights
 
 class Weight(NamedTuple):
-    w: np.ndarray                  # [N, K]: fp8 codes (e4m3fn) or float (bf16 / f32 tensors)
-    scale: np.ndarray | None       # [ceil(N/128), ceil(K/128)] float32, or None when not quantized
+    w: np.ndarray                  # [N, K]: fp8 codes (e4m3fn) or float (bf16 / f32); or [N, K/2] uint8: FP4 pairs
+    scale: np.ndarray | None       # [ceil(N/128), ceil(K/128)] float32 (FP8), [N, K/32] (FP4), or None
 
     def dequant(self):  # -> [N, K] float32
         if self.scale is None:
             return np.asarray(self.w, np.float32)
+        if self.w.dtype == np.uint8:                                      # MXFP4, two e2m1 codes per byte
+            return fp4_dequant(self.w, self.scale)
         return weight_dequant(self.w, self.scale)
 
 

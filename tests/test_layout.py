@@ -5,7 +5,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = {p.stem: p for p in ROOT.glob("*.py")}
-COMPONENTS = {"model", "config", "ops", "attention", "indexer", "moe", "rope", "checkpoint", "chat", "generate",
+COMPONENTS = {"model", "model_v4", "config", "ops", "attention", "attention_v4", "compressor", "mhc", "indexer", "moe",
+              "rope", "checkpoint", "chat", "generate",
               "verify", "parallel", "backend_torch"}
 
 

@@ -76,7 +76,7 @@ def test_router_matches_brute_force(case):
 
 
 def test_bias_chooses_but_does_not_weigh():
-    a = SimpleNamespace(n_group=1, topk_group=1, scoring_func="sigmoid", norm_topk_prob=False,
+    a = SimpleNamespace(n_group=1, topk_group=1, scoring_func="sigmoid", norm_topk_prob=False, swiglu_limit=None,
                         routed_scaling_factor=1.0, num_experts_per_tok=1)
     x = np.ones((1, 2), np.float32)
     W = np.array([[1, 1], [0, 0]], np.float32)                     # scores sigmoid(2) and sigmoid(0)
@@ -99,7 +99,7 @@ def mlp_oracle(x, p):
 def test_moe_layer_matches_float64(M, seed):
     rng = np.random.default_rng(seed)
     d, I, E = 128, 128, 8
-    a = SimpleNamespace(n_group=4, topk_group=2, scoring_func="sigmoid", norm_topk_prob=True,
+    a = SimpleNamespace(n_group=4, topk_group=2, scoring_func="sigmoid", norm_topk_prob=True, swiglu_limit=None,
                         routed_scaling_factor=2.5, num_experts_per_tok=2)
     p = {"gate": quant.Weight(rng.standard_normal((E, d)).astype(np.float32) / 8, None),
          "gate_bias": (0.05 * rng.random(E)).astype(np.float32),

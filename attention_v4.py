@@ -1,0 +1,79 @@
+"""DeepSeek-V4's attention layer (DeepSeek-V4 paper §2.3; spec/v4_flash.md §2.3): shared-KV multi-query
+attention over a sliding window of the latest n_win tokens plus compressed keys (compressor.py: every
+complete window of the HCA layers, or the indexer's top-k of the CSA layers), with a per-head sink logit,
+the inverse rotation of the outputs and a grouped low-rank output projection.
+
+    c^Q_t   = RMSNorm(W^DQ h_t)                                  the query latent (also the indexer's)
+    q_{t,i} = RoPE_t(RMSNorm₀((W^UQ c^Q_t)_i))                   head i; RMSNorm₀: per head, no weight
+    κ_t     = RoPE_t(RMSNorm(W^KV h_t))                          one key per token; values = keys
+    S_t     = {κ_j : t - n_win < j <= t} ∪ Comp_t                window + compressed keys
+    o_{t,i} = Σ_{s in S_t} softmax_s(q_{t,i} . s / sqrt(c); sink_i) s      (the sink's value is zero)
+    õ_{t,i} = RoPE_{-t}(o_{t,i})                                 the inverse rotation at the query's position
+    u_t     = W^OB [W^OA_γ õ_{t,γ} for the g groups γ of n_h / g heads]
+
+RoPE rotates the trailing R dims in interleaved pairs; sliding-window-only layers use rope_theta,
+compressed layers compress_rope_theta with YaRN (and no mscale: the scale is 1 / sqrt(c)).
+
+Letters: B batch, T tokens, H heads, c = head_dim, R rotary dims, W = n_win, n compressed keys,
+g output groups.
+"""
+import numpy as np
+
+import attention
+import compressor
+import indexer
+import quant
+import rope
+from compressor import rms_norm, rope_tail
+
+
+def window_mask_ref(T, start_pos, S, W):  # -> [T, S] bool: key j visible to query t iff t - W < j <= t
+    t = start_pos + np.arange(T)[:, None]
+    j = np.arange(S)[None, :]
+    return (j <= t) & (j > t - W)
+
+
+def attention_ref(q, keys, allowed, sink, scale):  # [B,T,H,c], [B,S,c], [B,T,S], [H] -> [B,T,H,c]
+    """Every head against the one shared key set; values are the keys themselves."""
+    z = np.einsum("bthc,bsc->bhts", q, keys) * np.float32(scale)               # [B, H, T, S]
+    z = np.where(allowed[:, None], z, -np.inf)
+    p = attention.softmax_ref(z, sink=sink)                                     # sink in the denominator
+    return np.einsum("bhts,bsc->bthc", p, keys).astype(np.float32)
+
+
+def grouped_output_ref(o, wo_a, wo_b, g):  # [B, T, H, c] -> [B, T, d]: W^OB [W^OA_γ õ_γ]_γ
+    B, T, H, c = o.shape
+    og = o.reshape(B, T, g, H // g * c)                                        # õ_{t,γ}: heads of group γ
+    Wa = wo_a.dequant().reshape(g, -1, og.shape[-1])                           # W^OA_γ [g, d_g, H/g c]
+    z = np.einsum("btgk,gok->btgo", og, Wa).reshape(B, T, -1)                  # [B, T, g d_g]
+    return quant.linear_ref(z, wo_b, False)
+
+
+def attention_v4_forward(x, p, kind, m, start_pos, freqs, args):
+    """One attention layer, every position of a prefill at once: x [B, T, d] (the normed input) ->
+    [B, T, d]. kind: sliding_attention, compressed_sparse_attention or heavily_compressed_attention,
+    m its compression rate; freqs [R/2] the layer's RoPE frequencies (config.V4Args.freqs)."""
+    B, T, _ = x.shape
+    H, c, eps = args.num_attention_heads, args.head_dim, args.rms_norm_eps
+    cos, sin = rope.rope_angles(freqs, start_pos + np.arange(T))                        # [T, R/2]
+    qr = rms_norm(quant.linear_ref(x, p["wq_a"], False), p["q_norm"], eps)              # c^Q [B, T, d_c]
+    q = rms_norm(quant.linear_ref(qr, p["wq_b"], False).reshape(B, T, H, c), None, eps)   # RMSNorm₀ per head
+    q = rope_tail(q, cos, sin)                                                          # [B, T, H, c]
+    kv = rope_tail(rms_norm(quant.linear_ref(x, p["wkv"], False), p["kv_norm"], eps)[:, :, None], cos, sin)[:, :, 0]
+    allowed = np.broadcast_to(window_mask_ref(T, start_pos, T, args.sliding_window), (B, T, T))
+    keys = kv                                                                           # [B, T, c]
+    if kind != "sliding_attention":
+        n = T // m
+        cw, sw = rope.rope_angles(freqs, m * np.arange(n))                              # RoPE at m w
+        K = compressor.compress_ref(x, p["compressor"], m, m == 4, cw, sw, eps)         # [B, n, c]
+        if kind == "heavily_compressed_attention":
+            comp = np.broadcast_to(indexer.causal_ref(T, start_pos, n, m), (B, T, n))  # every complete window
+        else:
+            K_idx = compressor.compress_ref(x, p["indexer"]["compressor"], m, True, cw, sw, eps)
+            comp = compressor.indexer_select_ref(x, qr, p["indexer"], K_idx, start_pos, cos, sin, args)
+        keys = np.concatenate([keys, K], 1)                                             # [B, T + n, c]
+        allowed = np.concatenate([allowed, comp], -1)
+    o = attention_ref(q, keys, allowed, p["attn_sink"], args.softmax_scale)
+    o = rope_tail(o, cos, -sin)                                                         # RoPE_{-t}
+    return grouped_output_ref(o, p["wo_a"], p["wo_b"], args.o_groups)
+

@@ -1,0 +1,246 @@
+"""DeepSeek-V4-Flash's NumPy reference (model_v4.py and its components) against transformers'
+DeepseekV4ForCausalLM in exact float32 numerics, and each new op against float64 or ml_dtypes.
+
+The transformers model is drawn at random (the parameters it initialises to zero drawn too), its
+weights written in the official checkpoint's layout (REF names, one tensor per expert) by the rename
+below, which is the reverse of transformers' own conversion mapping, and read back by our loader."""
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import checkpoint
+import indexer
+import mhc
+import moe
+import quant
+from config import V4Args
+from helpers import rel_err
+from model_v4 import TransformerV4
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_hf_config(**over):  # spec/v4_flash.md §6.2: every layer type, both routings, YaRN active
+    kw = dict(vocab_size=512, hidden_size=256, num_hidden_layers=5, num_attention_heads=4, head_dim=128,
+              qk_rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=64, sliding_window=16, index_n_heads=4,
+              index_head_dim=64, index_topk=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+              moe_intermediate_size=128, max_position_embeddings=1024,
+              layer_types=["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                           "heavily_compressed_attention", "compressed_sparse_attention"],
+              compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+              mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"],
+              rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32,
+                            "beta_slow": 1})
+    return transformers.DeepseekV4Config(**(kw | over))
+
+
+# transformers' module names -> the official checkpoint's (REF) names
+RENAMES = [(r"^model\.embed_tokens\.", "embed."), (r"^lm_head\.", "head."), (r"^model\.norm\.", "norm."),
+           (r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"), (r"^model\.layers\.", "layers."),
+           (r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
+           (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"), (r"\.self_attn\.", ".attn."), (r"\.mlp\.", ".ffn."),
+           (r"\.compressor\.indexer\.scorer\.weights_proj\.", ".indexer.weights_proj."),
+           (r"\.compressor\.indexer\.q_b_proj\.", ".indexer.wq_b."), (r"\.compressor\.indexer\.", ".indexer.compressor."),
+           (r"\.sinks$", ".attn_sink"), (r"\.position_bias$", ".ape"), (r"compressor\.kv_norm\.", "compressor.norm."),
+           (r"\.q_a_proj\.", ".wq_a."), (r"\.q_b_proj\.", ".wq_b."), (r"\.q_a_norm\.", ".q_norm."),
+           (r"\.kv_proj\.", ".wkv."), (r"\.gate_proj\.", ".wgate."), (r"\.o_a_proj\.", ".wo_a."), (r"\.o_b_proj\.", ".wo_b."),
+           (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+           (r"\.shared_experts\.wgate\.", ".shared_experts.w1."), (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+           (r"\.shared_experts\.up_proj\.", ".shared_experts.w3.")]
+
+
+def ref_layout(model):  # a transformers DeepseekV4ForCausalLM -> {REF name: float32 array}
+    out = {}
+    for name, t in model.state_dict().items():
+        a = t.detach().numpy() if not t.is_floating_point() else t.detach().float().numpy()
+        if name.endswith("experts.gate_up_proj"):                 # [E, 2I, d]: w1 rows, then w3 rows
+            base, I = re.sub(r"^model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$", r"layers.\1.ffn.experts.", name), a.shape[1] // 2
+            out |= {f"{base}{e}.w1.weight": a[e, :I] for e in range(a.shape[0])}
+            out |= {f"{base}{e}.w3.weight": a[e, I:] for e in range(a.shape[0])}
+            continue
+        if name.endswith("experts.down_proj"):                    # [E, d, I]
+            base = re.sub(r"^model\.layers\.(\d+)\.mlp\.experts\.down_proj$", r"layers.\1.ffn.experts.", name)
+            out |= {f"{base}{e}.w2.weight": a[e] for e in range(a.shape[0])}
+            continue
+        for pat, rep in RENAMES:
+            name = re.sub(pat, rep, name)
+        out[name] = np.ascontiguousarray(a)
+    return out
+
+
+def random_hf_model(cfg, seed):
+    torch.manual_seed(seed)
+    m = transformers.DeepseekV4ForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, t in m.named_parameters():                      # what initialises to zero or one: drawn too
+            if re.search(r"sinks|position_bias|\.base$|hc_base|hc_scale|\.scale$", name):
+                t.copy_(torch.randn(t.shape, generator=g) * (0.5 if "scale" in name else 1.0))
+        for name, b in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+            elif name.endswith("tid2eid"):                        # distinct experts per token id
+                E = cfg.n_routed_experts
+                b.copy_(torch.argsort(torch.rand(b.shape[0], E, generator=g), -1)[:, :b.shape[1]])
+    return m
+
+
+@pytest.fixture(scope="module", params=[0, 1])
+def pair(request, tmp_path_factory):
+    cfg = tiny_hf_config(**({} if request.param == 0 else dict(num_hidden_layers=4, hc_mult=2, o_groups=4,
+                                                                   sliding_window=8, num_experts_per_tok=3)))
+    hf = random_hf_model(cfg, request.param)
+    path = tmp_path_factory.mktemp("v4") / "ckpt"
+    checkpoint.write_checkpoint(path, cfg.to_dict(), ref_layout(hf))
+    return hf, TransformerV4.from_pretrained(path)
+
+
+def test_exact_logits_match_transformers(pair):
+    hf, m = pair
+    tokens = np.random.default_rng(3).integers(0, 512, (2, 72))    # past the window, 18 CSA / 4 HCA entries
+    with torch.no_grad():
+        want = hf(torch.as_tensor(tokens), use_cache=False).logits.numpy()
+    got = m.forward(tokens, all_positions=True)
+    assert rel_err(got, want) <= 1e-4, rel_err(got, want)
+
+
+def test_causal_prefixes(pair):
+    # a prefix's logits do not depend on the tokens after it
+    _, m = pair
+    tokens = np.random.default_rng(4).integers(0, 512, (1, 40))
+    full = m.forward(tokens, all_positions=True)
+    for t in (1, 4, 5, 17, 33):
+        assert rel_err(m.forward(tokens[:, :t], all_positions=True), full[:, :t]) <= 1e-5, t
+
+
+# -----------------------------------------------------------------------------
+# the new ops against float64 and ml_dtypes
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.sampled_from([2, 4]), st.integers(1, 30), st.integers(0, 2 ** 31))
+def test_sinkhorn_is_doubly_stochastic(M, n, iters, seed):
+    rng = np.random.default_rng(seed)
+    B = mhc.sinkhorn_ref(rng.standard_normal((M, n, n)).astype(np.float32), iters, 1e-6)
+    assert (B > 0).all()
+    assert np.abs(B.sum(-2) - 1).max() <= 1e-5                     # the last step normalises the columns
+    if iters >= 20:                                                # the rows by then (2.4e-3 at worst over
+        assert np.abs(B.sum(-1) - 1).max() <= 5e-3                 # 3,600 draws of N(0, 1) logits)
+
+
+def test_sinkhorn_schedule_in_float64():
+    # the schedule written out in float64: softmax + eps, then columns, (rows, columns) x (iters - 1)
+    rng = np.random.default_rng(0)
+    B0 = rng.standard_normal((3, 4, 4)).astype(np.float32)
+    B = np.exp(B0.astype(np.float64)) / np.exp(B0.astype(np.float64)).sum(-1, keepdims=True) + 1e-6
+    B /= B.sum(-2, keepdims=True) + 1e-6
+    for _ in range(19):
+        B /= B.sum(-1, keepdims=True) + 1e-6
+        B /= B.sum(-2, keepdims=True) + 1e-6
+    assert np.abs(mhc.sinkhorn_ref(B0, 20, 1e-6) - B).max() <= 1e-6
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 4), st.integers(0, 12), st.integers(1, 40))
+def test_causal_rule_of_compressed_keys(T, m, start_pos, S):
+    # key w of windows of m tokens is visible to query t iff the window ended by t: m (w + 1) - 1 <= t
+    got = indexer.causal_ref(T, start_pos, S, m)
+    t = start_pos + np.arange(T)[:, None]
+    assert (got == (m * (np.arange(S)[None] + 1) - 1 <= t)).all()
+
+
+def test_fp4_nibbles_and_e8m0_scales():
+    # every e2m1 code in either nibble decodes to ml_dtypes' value times its E8M0 scale
+    codes = np.arange(256, dtype=np.uint8).reshape(8, 32)            # [N, K/2]: every byte once
+    e8 = np.array([[100], [127], [130], [120], [127], [140], [90], [127]], np.uint8)   # one scale per row (K = 64: two blocks)
+    e8 = np.repeat(e8, 2, 1)
+    s = e8.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    assert (s == np.exp2(e8.astype(np.float64) - 127)).all()
+    W = quant.Weight(codes, s).dequant()                           # [8, 64]
+    fp4 = lambda b: np.array([b], np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)[0]   # noqa: E731
+    for r in range(8):
+        for k in range(64):
+            byte = codes[r, k // 2]
+            nib = byte & 0xF if k % 2 == 0 else byte >> 4            # even k: the low nibble
+            assert W[r, k] == fp4(nib) * s[r, k // 32]
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 9), st.integers(1, 3), st.integers(0, 2 ** 31))
+def test_sqrtsoftplus_and_hash_routing(M, E, K, seed):
+    rng = np.random.default_rng(seed)
+    K = min(K, E)
+    args = V4Args(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, head_dim=64,
+                  q_lora_rank=8, o_groups=1, o_lora_rank=8, sliding_window=4, layer_types=["sliding_attention"],
+                  n_routed_experts=E, num_experts_per_tok=K, index_head_dim=64)
+    x, Wg = rng.standard_normal((M, 8)).astype(np.float32), rng.standard_normal((E, 8)).astype(np.float32)
+    logits = x.astype(np.float64) @ Wg.T.astype(np.float64)
+    s = np.sqrt(np.log1p(np.exp(logits)))
+    hashed = np.stack([rng.permutation(E)[:K] for _ in range(M)])
+    w, idx = moe.gate_ref(x, Wg, None, args, hashed)
+    assert (idx == hashed).all()                                   # the table decides, whatever x is
+    want = np.take_along_axis(s, hashed, -1)
+    assert np.allclose(w, 1.5 * want / want.sum(-1, keepdims=True), rtol=1e-5)
+    w, idx = moe.gate_ref(x, Wg, None, args)                       # top-k of the scores otherwise
+    assert (np.sort(np.take_along_axis(s, idx, -1), -1) >= np.sort(s, -1)[:, -K:] - 1e-6).all()
+
+
+def test_clamped_swiglu():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 16)).astype(np.float32) * 4
+    p = {k: quant.Weight(rng.standard_normal(s).astype(np.float32), None)
+         for k, s in (("w1", (12, 16)), ("w3", (12, 16)), ("w2", (16, 12)))}
+    a, b = x.astype(np.float64) @ p["w1"].w.T, x.astype(np.float64) @ p["w3"].w.T
+    a, b = np.minimum(a, 10), np.clip(b, -10, 10)
+    want = (a / (1 + np.exp(-a)) * b) @ p["w2"].w.T.astype(np.float64)
+    assert rel_err(moe.mlp_ref(x, p, False, 10.0), want) <= 1e-5
+    assert rel_err(moe.mlp_ref(x, p, False), want) > 1e-2          # the clamp matters at this scale
+
+
+def test_sink_softmax():
+    rng = np.random.default_rng(2)
+    z = rng.standard_normal((1, 3, 2, 5)).astype(np.float32)
+    sink = rng.standard_normal(3).astype(np.float32)
+    import attention
+    p = attention.softmax_ref(z, sink=sink)
+    e = np.exp(z.astype(np.float64))
+    want = e / (e.sum(-1, keepdims=True) + np.exp(sink.astype(np.float64))[:, None, None])
+    assert np.abs(p - want).max() <= 1e-6 and (p.sum(-1) < 1).all()
+
+
+def test_sparse_selection_matches_transformers_but_for_ties(tmp_path, monkeypatch):
+    # index_topk 4 of up to 18 keys: the first CSA layer's picks (its input still equal to ~1e-6) agree
+    # with transformers' wherever the k-th and (k+1)-th scores differ; where they tie (often at exactly
+    # 0, ReLU's floor), we take the lower index and torch.topk what it will (spec/v4_flash.md §2.5)
+    import compressor
+    cfg = tiny_hf_config(index_topk=4)
+    hf = random_hf_model(cfg, 0)
+    checkpoint.write_checkpoint(tmp_path / "c", cfg.to_dict(), ref_layout(hf))
+    m = TransformerV4.from_pretrained(tmp_path / "c")
+    tokens = np.random.default_rng(3).integers(0, 512, (2, 72))
+    seen = {}
+    idx = hf.model.layers[2].self_attn.compressor.indexer
+    score, pick = idx.scorer.forward, idx.forward
+    monkeypatch.setattr(idx.scorer, "forward", lambda *a: seen.setdefault("I", score(*a)))
+    monkeypatch.setattr(idx, "forward", lambda *a, **k: seen.setdefault("hf", pick(*a, **k)))
+    ours = compressor.indexer_select_ref
+    monkeypatch.setattr(compressor, "indexer_select_ref", lambda *a: seen.setdefault("ours", ours(*a)))
+    with torch.no_grad():
+        hf(torch.as_tensor(tokens), use_cache=False)
+    m.forward(tokens)
+    I, sel, got = seen["I"].numpy(), seen["hf"].numpy(), seen["ours"]
+    compared = 0
+    for b in range(2):
+        for t in range(72):
+            n = (t + 1) // 4
+            if n <= 4:
+                assert got[b, t, :n].all() and not got[b, t, n:].any()        # fewer keys than k: all of them
+                continue
+            top = np.sort(I[b, t, :n])[::-1]
+            if top[3] - top[4] > 1e-5:                                       # no tie at the boundary
+                assert set(np.nonzero(got[b, t])[0]) == set(sel[b, t].tolist()), (b, t)
+                compared += 1
+    assert compared >= 60
