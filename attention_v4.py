@@ -27,10 +27,24 @@ import rope
 from compressor import rms_norm, rope_tail
 
 
-def window_mask_ref(T, start_pos, S, W):  # -> [T, S] bool: key j visible to query t iff t - W < j <= t
-    t = start_pos + np.arange(T)[:, None]
-    j = np.arange(S)[None, :]
-    return (j <= t) & (j > t - W)
+def window_mask_ref(T, start_pos, pos, W):  # -> [T, S] bool: key at position pos[s] visible to query t
+    t = start_pos + np.arange(T)[:, None]                                      # iff t - W < pos <= t
+    return (pos[None, :] <= t) & (pos[None, :] > t - W)
+
+
+class V4LayerCache:
+    """One layer's caches, of a size that does not grow with the window: the keys of the last n_win
+    positions (a ring: position j in slot j mod n_win), and each compressor's state (the open window,
+    every key so far: one per m tokens; compressor.CompressorState)."""
+
+    def __init__(self, B, args, kind, p):
+        self.ring = np.zeros((B, args.sliding_window, args.head_dim), np.float32)
+        self.comp = compressor.CompressorState(B, p["compressor"]) if kind != "sliding_attention" else None
+        self.idx = compressor.CompressorState(B, p["indexer"]["compressor"]) if kind == "compressed_sparse_attention" else None
+
+    def nbytes(self):
+        states = [s for s in (self.comp, self.idx) if s is not None]
+        return self.ring.nbytes + sum(s.rows.nbytes + s.keys.nbytes + sum(a.nbytes for a in s.prev or ()) for s in states)
 
 
 def attention_ref(q, keys, allowed, sink, scale):  # [B,T,H,c], [B,S,c], [B,T,S], [H] -> [B,T,H,c]
@@ -49,31 +63,37 @@ def grouped_output_ref(o, wo_a, wo_b, g):  # [B, T, H, c] -> [B, T, d]: W^OB [W^
     return quant.linear_ref(z, wo_b, False)
 
 
-def attention_v4_forward(x, p, kind, m, start_pos, freqs, args):
-    """One attention layer, every position of a prefill at once: x [B, T, d] (the normed input) ->
-    [B, T, d]. kind: sliding_attention, compressed_sparse_attention or heavily_compressed_attention,
-    m its compression rate; freqs [R/2] the layer's RoPE frequencies (config.V4Args.freqs)."""
+def attention_v4_forward(x, p, kind, m, start_pos, freqs, args, cache):
+    """One attention layer over a chunk of T tokens at positions start_pos.. (a prefill, a chunk after
+    the cache, or one decode token): x [B, T, d] (the normed input) -> [B, T, d]; updates `cache`.
+    kind: sliding_attention, compressed_sparse_attention or heavily_compressed_attention, m its
+    compression rate; freqs [R/2] the layer's RoPE frequencies (config.V4Args.freqs)."""
     B, T, _ = x.shape
-    H, c, eps = args.num_attention_heads, args.head_dim, args.rms_norm_eps
+    H, c, W, eps = args.num_attention_heads, args.head_dim, args.sliding_window, args.rms_norm_eps
     cos, sin = rope.rope_angles(freqs, start_pos + np.arange(T))                        # [T, R/2]
     qr = rms_norm(quant.linear_ref(x, p["wq_a"], False), p["q_norm"], eps)              # c^Q [B, T, d_c]
     q = rms_norm(quant.linear_ref(qr, p["wq_b"], False).reshape(B, T, H, c), None, eps)   # RMSNorm₀ per head
     q = rope_tail(q, cos, sin)                                                          # [B, T, H, c]
     kv = rope_tail(rms_norm(quant.linear_ref(x, p["wkv"], False), p["kv_norm"], eps)[:, :, None], cos, sin)[:, :, 0]
-    allowed = np.broadcast_to(window_mask_ref(T, start_pos, T, args.sliding_window), (B, T, T))
-    keys = kv                                                                           # [B, T, c]
-    if kind != "sliding_attention":
-        n = T // m
-        cw, sw = rope.rope_angles(freqs, m * np.arange(n))                              # RoPE at m w
-        K = compressor.compress_ref(x, p["compressor"], m, m == 4, cw, sw, eps)         # [B, n, c]
+
+    # the window: the ring's last W - 1 positions before this chunk, then the chunk's own keys
+    P = min(start_pos, W - 1)
+    pos = start_pos - P + np.arange(P + T)                                              # key positions
+    keys = np.concatenate([cache.ring[:, pos[:P] % W], kv], 1)                          # [B, P + T, c]
+    allowed = np.broadcast_to(window_mask_ref(T, start_pos, pos, W), (B, T, P + T))
+    last = pos[-min(T, W):]
+    cache.ring[:, last % W] = kv[:, -len(last):]                                        # the ring keeps n_win
+
+    if kind != "sliding_attention":                     # compressed keys: every complete window so far
+        compressor.compress_ref(x, p["compressor"], m, m == 4, start_pos, freqs, eps, cache.comp)
+        K = cache.comp.keys                                                             # [B, n, c]
         if kind == "heavily_compressed_attention":
-            comp = np.broadcast_to(indexer.causal_ref(T, start_pos, n, m), (B, T, n))  # every complete window
-        else:
-            K_idx = compressor.compress_ref(x, p["indexer"]["compressor"], m, True, cw, sw, eps)
-            comp = compressor.indexer_select_ref(x, qr, p["indexer"], K_idx, start_pos, cos, sin, args)
-        keys = np.concatenate([keys, K], 1)                                             # [B, T + n, c]
+            comp = np.broadcast_to(indexer.causal_ref(T, start_pos, K.shape[1], m), (B, T, K.shape[1]))
+        else:                                           # CSA: the indexer's top-k of them
+            compressor.compress_ref(x, p["indexer"]["compressor"], m, True, start_pos, freqs, eps, cache.idx)
+            comp = compressor.indexer_select_ref(x, qr, p["indexer"], cache.idx.keys, start_pos, cos, sin, args)
+        keys = np.concatenate([keys, K], 1)                                             # [B, P + T + n, c]
         allowed = np.concatenate([allowed, comp], -1)
     o = attention_ref(q, keys, allowed, p["attn_sink"], args.softmax_scale)
     o = rope_tail(o, cos, -sin)                                                         # RoPE_{-t}
     return grouped_output_ref(o, p["wo_a"], p["wo_b"], args.o_groups)
-

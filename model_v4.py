@@ -13,9 +13,10 @@ Layer i's attention is sliding-window only, CSA (compressed keys of 4 tokens pic
 or HCA (compressed keys of m' tokens, all attended to), per config.V4Args.layer_types; the first
 layers route tokens to experts by a fixed table (tid2eid), the rest by the gate's top-k.
 
-This step of the implementation: the NumPy reference in exact numerics (float32 on dequantized
-weights: what transformers' DeepseekV4ForCausalLM computes), prefill from position 0 (every position
-recomputed). The caches that keep decode small, the official numerics and the torch path come next.
+The caches stay small: per layer the keys of the last n_win positions (a ring) and each compressor's
+open window and emitted keys (one per m tokens), so a decode step does not grow with a full-length KV
+cache. So far: the NumPy reference in exact numerics (float32 on dequantized weights: what
+transformers' DeepseekV4ForCausalLM computes); the official numerics and the torch path come next.
 
 Letters: B batch, T tokens, M = B T, n streams (hc_mult), d hidden size, V vocabulary.
 """
@@ -26,7 +27,7 @@ import numpy as np
 import checkpoint
 import moe
 import quant
-from attention_v4 import attention_v4_forward
+from attention_v4 import V4LayerCache, attention_v4_forward
 from compressor import rms_norm
 from config import V4Args
 from mhc import hc_head_ref, hc_mixes_ref, hc_post_ref, hc_pre_ref
@@ -83,6 +84,7 @@ class TransformerV4:
                              "the official code's rounding points are not implemented yet")
         self.args, self.w, self.path, self.numerics = args, weights, ck_path, numerics
         self.freqs = {False: args.freqs(False), True: args.freqs(True)}    # plain, and YaRN for compressed layers
+        self.caches, self.cached_len = [], 0
 
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics="exact", max_seq_len=None, device=None, **unused):
@@ -98,27 +100,38 @@ class TransformerV4:
         return cls(args, w, path, numerics)
 
     def forward(self, tokens, start_pos=0, all_positions=False):
-        """tokens [B, T] -> logits [B, V] of the last position (or [B, T, V]); a prefill from position 0."""
-        tokens = np.asarray(tokens)
+        """tokens [B, T] -> logits [B, V] of the last position (or [B, T, V]). start_pos 0 starts over;
+        start_pos = the cached length continues the caches (one token: decode; several: a chunk)."""
+        tokens = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
         if tokens.ndim != 2 or 0 in tokens.shape or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"tokens must be a [batch, seq] integer array, got {tokens.dtype} {tokens.shape}")
-        if start_pos != 0:
-            raise ValueError("DeepSeek-V4 prefills from position 0 so far (its decode caches are not implemented yet)")
+        bad = (tokens < 0) | (tokens >= self.args.vocab_size)
+        if bad.any():
+            raise ValueError(f"token id {tokens[bad][0]} is outside the vocabulary [0, {self.args.vocab_size})")
         a, w = self.args, self.w
         B, T = tokens.shape
+        if start_pos == 0:
+            self.caches = [V4LayerCache(B, a, a.layer_types[i], lw["attn"]) for i, lw in enumerate(w["layers"])]
+            self.cached_len = 0
+        elif start_pos != self.cached_len or B != self.caches[0].ring.shape[0]:
+            raise ValueError(f"start_pos {start_pos} (batch {B}): V4 continues its caches only at the cached length "
+                             f"{self.cached_len} (batch {self.caches[0].ring.shape[0] if self.caches else 0}), or starts over at 0")
+        if start_pos + T > a.max_seq_len:
+            raise ValueError(f"start_pos {start_pos} + {T} tokens exceeds max_seq_len {a.max_seq_len}")
         n, d = a.hc_mult, a.hidden_size
         e = np.asarray(w["embed"][tokens], np.float32).reshape(B * T, d)
         X = np.repeat(e[:, None], n, 1)                                              # X^0 [M, n, d]
-        for i, lw in enumerate(w["layers"]):
+        for i, (lw, cache) in enumerate(zip(w["layers"], self.caches)):
             kind, m = a.layer_types[i], a.ratio(i)
             pre, post, comb = hc_mixes_ref(X, lw["hc_attn_fn"], lw["hc_attn_base"], lw["hc_attn_scale"], a)
             h = rms_norm(hc_pre_ref(X, pre), lw["attn_norm"], a.rms_norm_eps).reshape(B, T, d)
-            y = attention_v4_forward(h, lw["attn"], kind, m, start_pos, self.freqs[m > 0], a)
+            y = attention_v4_forward(h, lw["attn"], kind, m, start_pos, self.freqs[m > 0], a, cache)
             X = hc_post_ref(X, y.reshape(B * T, d), post, comb)
             pre, post, comb = hc_mixes_ref(X, lw["hc_ffn_fn"], lw["hc_ffn_base"], lw["hc_ffn_scale"], a)
             h = rms_norm(hc_pre_ref(X, pre), lw["ffn_norm"], a.rms_norm_eps)
             y = moe.moe_ref(h, lw["ffn"], a, False, tokens.reshape(-1))
             X = hc_post_ref(X, y, post, comb)
+        self.cached_len = start_pos + T
         hc = w["hc_head"]
         h = rms_norm(hc_head_ref(X, hc["fn"], hc["base"], hc["scale"], a), w["norm"], a.rms_norm_eps)
         logits = (h @ np.asarray(w["head"], np.float32).T).reshape(B, T, -1)         # [B, T, V]

@@ -244,3 +244,57 @@ def test_sparse_selection_matches_transformers_but_for_ties(tmp_path, monkeypatc
                 assert set(np.nonzero(got[b, t])[0]) == set(sel[b, t].tolist()), (b, t)
                 compared += 1
     assert compared >= 60
+
+
+@pytest.mark.parametrize("splits", [(1,), (3, 4, 5), (16, 17), (31, 32, 33), (47,)])
+def test_cached_decode_and_chunks_equal_one_prefill(pair, splits):
+    # a prefill, then decode steps and chunks across every state change: a compressor's window
+    # completing (t = 3, 4, 7), the window filling (t = 15, 16) and an HCA key appearing (t = 15)
+    _, m = pair
+    tokens = np.random.default_rng(5).integers(0, 512, (2, 56))
+    full = m.forward(tokens, all_positions=True)
+    cuts = list(splits) + [s for s in range(splits[-1] + 1, 56, 7)] + [56]
+    got, start = [], 0
+    for cut in cuts:
+        got.append(m.forward(tokens[:, start:cut], start_pos=start, all_positions=True))
+        start = cut
+    got = np.concatenate(got, 1)
+    assert rel_err(got, full) <= 1e-5, (splits, rel_err(got, full))
+
+
+def test_decode_token_by_token_with_sparse_selection(tmp_path):
+    # index_topk 4 < the keys a query sees: the indexer picks, and decode picks as the prefill does
+    cfg = tiny_hf_config(index_topk=4)
+    checkpoint.write_checkpoint(tmp_path / "c", cfg.to_dict(), ref_layout(random_hf_model(cfg, 7)))
+    m = TransformerV4.from_pretrained(tmp_path / "c")
+    tokens = np.random.default_rng(6).integers(0, 512, (1, 48))
+    full = m.forward(tokens, all_positions=True)
+    m.forward(tokens[:, :9])
+    steps = [m.forward(tokens[:, t:t + 1], start_pos=t) for t in range(9, 48)]
+    assert rel_err(np.stack(steps, 1), full[:, 9:]) <= 1e-5
+
+
+def test_caches_stay_small(pair):
+    # the window is a ring of n_win keys; compressed keys grow by one per m tokens
+    _, m = pair
+    a = m.args
+    tokens = np.random.default_rng(8).integers(0, 512, (1, 1))
+    m.forward(tokens)
+    sizes = []
+    for t in range(1, 161):
+        m.forward(tokens, start_pos=t)
+        sizes.append(sum(c.nbytes() for c in m.caches))
+    c = a.head_dim
+    per_token = sum(4 * (c + (a.index_head_dim if k == "compressed_sparse_attention" else 0)) / a.ratio(i)
+                    for i, k in enumerate(a.layer_types) if a.ratio(i))      # float32 keys per token of context
+    grow = (sizes[-1] - sizes[63]) / (160 - 64)                              # past the first windows
+    assert abs(grow - per_token) <= 0.25 * per_token, (grow, per_token)
+
+
+def test_start_pos_must_continue_the_cache(pair):
+    _, m = pair
+    m.forward(np.zeros((1, 5), np.int64))
+    with pytest.raises(ValueError, match="cached length 5"):
+        m.forward(np.zeros((1, 1), np.int64), start_pos=3)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        m.forward(np.full((1, 1), 512))
