@@ -63,11 +63,12 @@ def grouped_output_ref(o, wo_a, wo_b, g):  # [B, T, H, c] -> [B, T, d]: W^OB [W^
     return quant.linear_ref(z, wo_b, False)
 
 
-def attention_v4_forward(x, p, kind, m, start_pos, freqs, args, cache):
+def attention_v4_forward(x, p, kind, m, start_pos, freqs, args, cache, sparse=True):
     """One attention layer over a chunk of T tokens at positions start_pos.. (a prefill, a chunk after
     the cache, or one decode token): x [B, T, d] (the normed input) -> [B, T, d]; updates `cache`.
     kind: sliding_attention, compressed_sparse_attention or heavily_compressed_attention, m its
-    compression rate; freqs [R/2] the layer's RoPE frequencies (config.V4Args.freqs)."""
+    compression rate; freqs [R/2] the layer's RoPE frequencies (config.V4Args.freqs). sparse=False:
+    CSA layers attend every complete window, as HCA layers do (the indexer is not run)."""
     B, T, _ = x.shape
     H, c, W, eps = args.num_attention_heads, args.head_dim, args.sliding_window, args.rms_norm_eps
     cos, sin = rope.rope_angles(freqs, start_pos + np.arange(T))                        # [T, R/2]
@@ -87,7 +88,7 @@ def attention_v4_forward(x, p, kind, m, start_pos, freqs, args, cache):
     if kind != "sliding_attention":                     # compressed keys: every complete window so far
         compressor.compress_ref(x, p["compressor"], m, m == 4, start_pos, freqs, eps, cache.comp)
         K = cache.comp.keys                                                             # [B, n, c]
-        if kind == "heavily_compressed_attention":
+        if kind == "heavily_compressed_attention" or not sparse:
             comp = np.broadcast_to(indexer.causal_ref(T, start_pos, K.shape[1], m), (B, T, K.shape[1]))
         else:                                           # CSA: the indexer's top-k of them
             compressor.compress_ref(x, p["indexer"]["compressor"], m, True, start_pos, freqs, eps, cache.idx)

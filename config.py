@@ -272,15 +272,18 @@ class V4Args:
         for k in ("rms_norm_eps", "hc_eps", "routed_scaling_factor", "swiglu_limit"):
             _need(k, getattr(self, k), (float,), low=0, strict=True)
         L = self.num_hidden_layers
-        if self.layer_types is None and self.compress_ratios is not None:
-            bad = [r for r in self.compress_ratios if r not in V4_LAYER_TYPES]
-            if bad:
-                raise ValueError(f"compress_ratios: {bad[0]!r} is not 0, 4 or 128")
-            self.layer_types = [V4_LAYER_TYPES[r] for r in self.compress_ratios]
+        rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128} | (self.compress_rates or {})
+        if self.layer_types is None and self.compress_ratios is not None:   # the official file's per-layer ratios
+            bad = [r for r in self.compress_ratios if not (isinstance(r, int) and r >= 0)]
+            hca = {r for r in self.compress_ratios[:L] if r not in (0, 4)}
+            if bad or len(hca) > 1:
+                raise ValueError(f"compress_ratios must be 0 (window only), 4 (CSA) or one HCA rate per layer, "
+                                 f"got {self.compress_ratios!r}")
+            rates["heavily_compressed_attention"] = hca.pop() if hca else rates["heavily_compressed_attention"]
+            self.layer_types = [V4_LAYER_TYPES.get(r, "heavily_compressed_attention") for r in self.compress_ratios]
         if self.layer_types is None:
             raise ValueError("neither layer_types nor compress_ratios is given (the attention of each layer)")
         self.layer_types = list(self.layer_types[:L])
-        rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128} | (self.compress_rates or {})
         self.compress_rates = rates
         if self.mlp_layer_types is None:
             n_hash = 3 if self.num_hash_layers is None else self.num_hash_layers
@@ -313,6 +316,11 @@ class V4Args:
         _need("max_seq_len", self.max_seq_len, (int,), low=1)
 
     @property
+    def yarn_active(self):  # on the compressed layers' RoPE, whatever the run's context (the official V4 code and
+        s = self.rope_scaling   # transformers both; V3.2's condition differs); the window-only layers never scale
+        return s.get("type", s.get("rope_type")) == "yarn"
+
+    @property
     def softmax_scale(self):  # 1 / sqrt(c): no YaRN mscale in V4
         return self.head_dim ** -0.5
 
@@ -328,12 +336,9 @@ class V4Args:
         R = self.qk_rope_head_dim
         if not compressed:
             return rope.yarn_freqs(R, self.rope_theta, 1, 1, 1.0, 32, 1)
-        s = self.rope_scaling
-        yarn = s.get("type", s.get("rope_type")) == "yarn"
-        # the official condition, as V3.2's: YaRN when the context exceeds the original one (V4's 1M > 64K)
-        return rope.yarn_freqs(R, self.compress_rope_theta, self.max_position_embeddings if yarn else 1,
-                               self.original_seq_len, float(s.get("factor", 1.0)), s.get("beta_fast", 32),
-                               s.get("beta_slow", 1))
+        s, L = self.rope_scaling, self.original_seq_len
+        return rope.yarn_freqs(R, self.compress_rope_theta, L + 1 if self.yarn_active else L,   # > L: the ramp on
+                               L, float(s.get("factor", 1.0)), s.get("beta_fast", 32), s.get("beta_slow", 1))
 
     @property
     def fp8(self):

@@ -140,6 +140,11 @@ def probe_experts(w, host_layers, ops, rows=2):
 # -----------------------------------------------------------------------------
 # Weights onto the backend, and the copies made from them at load
 
+def default_numerics(config):  # a checkpoint's config.json -> the numerics a load gets without asking
+    """official for V3.2-Exp; exact for DeepSeek-V4 (its official rounding points are not implemented yet)."""
+    return "exact" if config.get("model_type") == "deepseek_v4" else "official"
+
+
 def make_ops(backend, device=None):  # the op table of a backend ("numpy", or "torch" on a device)
     if backend == "numpy":
         if device not in (None, "cpu"):
@@ -235,6 +240,8 @@ class LayerCache:
 class Transformer:
     """embed -> Block x L -> norm -> head, with caches owned here and passed down explicitly."""
 
+    can_rewind = True               # forward may restart anywhere up to the cached length (the caches hold every position)
+
     def __init__(self, args, weights, ck_path=None, numerics="official", attention_mode="sparse",
                  indexer_mode=None, ops=NUMPY_OPS):
         if numerics not in ("official", "exact"):
@@ -256,10 +263,13 @@ class Transformer:
         self.rope_table = None                   # decode_static's cos, sin over the caches' capacity
 
     @classmethod
-    def from_pretrained(cls, path, backend="numpy", numerics="official", attention="sparse", indexer=None,
+    def from_pretrained(cls, path, backend="numpy", numerics=None, attention="sparse", indexer=None,
                         max_seq_len=None, device=None, progress=None, probe=True, n_layers=None, parallel=None,
                         ops=None):
-        """Open a checkpoint folder in the real layout. NumPy: weights stay memory-mapped until used.
+        """Open a checkpoint folder in the real layout: DeepSeek-V3.2-Exp here, DeepSeek-V4 (config.json's
+        model_type deepseek_v4) as model_v4.TransformerV4 with the options that apply to it.
+        numerics: "official" or "exact" (None: the model's default, official for V3.2).
+        NumPy: weights stay memory-mapped until used.
         torch: each layer's tensors go to the device as they are read (FP8 stays FP8), then every
         routed expert passes a known-answer probe (probe_experts); progress(i, n) is called after each layer.
         n_layers: build only the first n layers (then the final norm and head), for checks.
@@ -267,10 +277,15 @@ class Transformer:
         rank's slices of the weights and the op table with the collectives, applied from outside.
         ops: an op table to load onto instead of the backend's default (tests: the DSA kernels in the
         Triton interpreter on the CPU)."""
+        ck = checkpoint.Checkpoint(path)
+        if ck.config.get("model_type") == "deepseek_v4":             # one entry point for both models
+            import model_v4
+            return model_v4.TransformerV4.from_pretrained(path, backend, numerics, attention, indexer, max_seq_len,
+                                                          device, progress, n_layers, parallel, ops, ck)
+        numerics = numerics or default_numerics(ck.config)
         ops = ops or make_ops(backend, device)
         if parallel is not None:
             ops = parallel.wrap(ops)
-        ck = checkpoint.Checkpoint(path)
         args = ModelArgs.from_config(ck.config, where=str(Path(path) / "config.json"),
                                      **({"max_seq_len": max_seq_len} if max_seq_len is not None else {}))
         if n_layers is not None and n_layers < args.num_hidden_layers:   # only the first n layers (--verify-layers)

@@ -75,33 +75,100 @@ def load_layer(ck, i, args):  # -> nested dict of quant.Weight / float32 arrays 
     return {"attn_norm": vec("attn_norm.weight"), "ffn_norm": vec("ffn_norm.weight"), "attn": attn, "ffn": ffn} | hc
 
 
+def check_shapes(w, a, path):  # every weight against the shape config.json implies (spec/v4_flash.md §3, §5.2)
+    d, H, c, n = a.hidden_size, a.num_attention_heads, a.head_dim, a.hc_mult
+    E, I, J, cI, g = a.n_routed_experts, a.moe_intermediate_size, a.index_n_heads, a.index_head_dim, a.o_groups
+
+    def logical(W):  # a Weight's [out, in]: FP4 stores two codes per byte
+        return (W.w.shape[0], 2 * W.w.shape[1]) if W.w.dtype == np.uint8 else tuple(W.w.shape)
+
+    def comp(c_out, m, overlap):
+        k = 2 * c_out if overlap else c_out
+        return {"wkv": (k, d), "wgate": (k, d), "ape": (m, k), "norm": (c_out,)}
+
+    checks = [("embed", w["embed"], (a.vocab_size, d)), ("head", w["head"], (a.vocab_size, d)), ("norm", w["norm"], (d,)),
+              ("hc_head_fn", w["hc_head"]["fn"], (n, n * d))]
+    for i, lw in enumerate(w["layers"]):
+        at, f = lw["attn"], lw["ffn"]
+        want = {"wq_a": (a.q_lora_rank, d), "wq_b": (H * c, a.q_lora_rank), "wkv": (c, d), "kv_norm": (c,),
+                "wo_a": (g * a.o_lora_rank, H * c // g), "wo_b": (d, g * a.o_lora_rank), "attn_sink": (H,)}
+        checks += [(f"layers.{i}.attn.{k}", at[k], s) for k, s in want.items()]
+        checks += [(f"layers.{i}.hc_{s}_fn", lw[f"hc_{s}_fn"], ((2 + n) * n, n * d)) for s in ("attn", "ffn")]
+        m = a.ratio(i)
+        if m:
+            checks += [(f"layers.{i}.attn.compressor.{k}", at["compressor"][k], s) for k, s in comp(c, m, m == 4).items()]
+        if m == 4:
+            checks += [(f"layers.{i}.attn.indexer.{k}", at["indexer"]["compressor"][k], s)
+                       for k, s in comp(cI, m, True).items()]
+            checks += [(f"layers.{i}.attn.indexer.wq_b", at["indexer"]["wq_b"], (J * cI, a.q_lora_rank)),
+                       (f"layers.{i}.attn.indexer.weights_proj", at["indexer"]["weights_proj"], (J, d))]
+        checks += [(f"layers.{i}.ffn.gate", f["gate"], (E, d))]
+        for name, mlp in [(f"experts.{e}", x) for e, x in enumerate(f["experts"])] + [("shared_experts", f["shared_experts"])]:
+            checks += [(f"layers.{i}.ffn.{name}.{k}", mlp[k], s) for k, s in (("w1", (I, d)), ("w3", (I, d)), ("w2", (d, I)))]
+        if "tid2eid" in f:
+            checks.append((f"layers.{i}.ffn.gate.tid2eid", f["tid2eid"], (a.vocab_size, a.num_experts_per_tok)))
+    for name, t, shape in checks:
+        got = logical(t) if isinstance(t, quant.Weight) else tuple(np.shape(t))
+        if got != shape:
+            raise checkpoint.CheckpointError(f"{path}: {name} has shape {got}, but config.json implies {shape}")
+
+
 class TransformerV4:
     """embed -> n streams -> Block x L -> hc head -> norm -> head."""
 
-    def __init__(self, args, weights, ck_path=None, numerics="exact"):
+    can_rewind = False      # the window ring and the compressors' open windows hold no earlier positions
+
+    def __init__(self, args, weights, ck_path=None, numerics="exact", attention="sparse"):
         if numerics != "exact":
             raise ValueError(f"numerics {numerics!r}: DeepSeek-V4 runs in exact numerics so far (numerics='exact'); "
                              "the official code's rounding points are not implemented yet")
         self.args, self.w, self.path, self.numerics = args, weights, ck_path, numerics
+        self.attention, self.indexer = attention, "exact"     # dense: CSA layers attend every complete window
         self.freqs = {False: args.freqs(False), True: args.freqs(True)}    # plain, and YaRN for compressed layers
         self.caches, self.cached_len = [], 0
 
     @classmethod
-    def from_pretrained(cls, path, backend="numpy", numerics="exact", max_seq_len=None, device=None, **unused):
-        if backend != "numpy":
-            raise ValueError(f"backend {backend!r}: DeepSeek-V4 runs on the NumPy reference so far (backend='numpy')")
-        ck = checkpoint.Checkpoint(path)
+    def from_pretrained(cls, path, backend="numpy", numerics=None, attention="sparse", indexer=None, max_seq_len=None,
+                        device=None, progress=None, n_layers=None, parallel=None, ops=None, ck=None):
+        """The checkpoint folder in the official layout (model.Transformer.from_pretrained comes here for
+        a deepseek_v4 config). Options that do not apply to V4 yet are refused in one line."""
+        numerics = numerics or "exact"                     # model.default_numerics: official is not implemented yet
+        refused = {"backend": (backend, "numpy"), "indexer": (indexer, None), "parallel": (parallel, None),
+                   "ops": (ops, None)}
+        for k, (got, want) in refused.items():
+            if got != want and not (k == "indexer" and got == "exact"):
+                raise ValueError(f"{k}={got!r}: DeepSeek-V4 runs on the NumPy reference in exact numerics so far")
+        if device not in (None, "cpu"):
+            raise ValueError(f"device {device!r}: DeepSeek-V4 runs on the NumPy reference (CPU) so far")
+        if attention not in ("sparse", "dense"):
+            raise ValueError(f"attention must be 'sparse' or 'dense', got {attention!r}")
+        ck = ck or checkpoint.Checkpoint(path)
         args = V4Args.from_config(ck.config, where=str(Path(path) / "config.json"),
                                   **({"max_seq_len": max_seq_len} if max_seq_len is not None else {}))
+        L = args.num_hidden_layers if n_layers is None else min(n_layers, args.num_hidden_layers)
+        layers = []
+        for i in range(L):
+            layers.append(load_layer(ck, i, args))
+            if progress:
+                progress(i + 1, L)
+        if L < args.num_hidden_layers:                    # only the first L layers (--verify-layers)
+            args.num_hidden_layers = L
+            args.layer_types, args.mlp_layer_types = args.layer_types[:L], args.mlp_layer_types[:L]
         w = {"embed": ck.get("embed.weight", PLAIN), "head": ck.get("head.weight", PLAIN),
              "norm": np.asarray(ck.get("norm.weight", NORM), np.float32),
              "hc_head": {k: np.asarray(ck.get(f"hc_head_{k}", ("F32",)), np.float32) for k in ("fn", "base", "scale")},
-             "layers": [load_layer(ck, i, args) for i in range(args.num_hidden_layers)]}
-        return cls(args, w, path, numerics)
+             "layers": layers}                                                  # mtp.* skipped
+        check_shapes(w, args, path)
+        return cls(args, w, path, numerics, attention)
 
-    def forward(self, tokens, start_pos=0, all_positions=False):
+    def reserve(self, batch, total_len):  # the caches are a ring and the compressed keys: nothing to allocate
+        if total_len > self.args.max_seq_len:
+            raise ValueError(f"{total_len} tokens exceed max_seq_len {self.args.max_seq_len}")
+
+    def forward(self, tokens, start_pos=0, all_positions=False, record=None):
         """tokens [B, T] -> logits [B, V] of the last position (or [B, T, V]). start_pos 0 starts over;
-        start_pos = the cached length continues the caches (one token: decode; several: a chunk)."""
+        start_pos = the cached length continues the caches (one token: decode; several: a chunk).
+        record: a dict that receives each layer's streams ("hidden" [B, T, n d]), for --verify."""
         tokens = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
         if tokens.ndim != 2 or 0 in tokens.shape or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"tokens must be a [batch, seq] integer array, got {tokens.dtype} {tokens.shape}")
@@ -125,14 +192,26 @@ class TransformerV4:
             kind, m = a.layer_types[i], a.ratio(i)
             pre, post, comb = hc_mixes_ref(X, lw["hc_attn_fn"], lw["hc_attn_base"], lw["hc_attn_scale"], a)
             h = rms_norm(hc_pre_ref(X, pre), lw["attn_norm"], a.rms_norm_eps).reshape(B, T, d)
-            y = attention_v4_forward(h, lw["attn"], kind, m, start_pos, self.freqs[m > 0], a, cache)
+            y = attention_v4_forward(h, lw["attn"], kind, m, start_pos, self.freqs[m > 0], a, cache,
+                                     self.attention == "sparse")
             X = hc_post_ref(X, y.reshape(B * T, d), post, comb)
             pre, post, comb = hc_mixes_ref(X, lw["hc_ffn_fn"], lw["hc_ffn_base"], lw["hc_ffn_scale"], a)
             h = rms_norm(hc_pre_ref(X, pre), lw["ffn_norm"], a.rms_norm_eps)
             y = moe.moe_ref(h, lw["ffn"], a, False, tokens.reshape(-1))
             X = hc_post_ref(X, y, post, comb)
+            if record is not None:
+                record.setdefault("hidden", []).append(X.reshape(B, T, -1))    # the streams after layer i
         self.cached_len = start_pos + T
         hc = w["hc_head"]
         h = rms_norm(hc_head_ref(X, hc["fn"], hc["base"], hc["scale"], a), w["norm"], a.rms_norm_eps)
         logits = (h @ np.asarray(w["head"], np.float32).T).reshape(B, T, -1)         # [B, T, V]
         return logits if all_positions else logits[:, -1]
+
+
+def cache_bytes_per_token(args, key_bytes, index_key_bytes):
+    """Bytes of cache one more token of context adds, over all layers: a compressed key per m tokens on
+    the CSA and HCA layers, and on CSA layers an indexer key per 4 (the window is a fixed ring of n_win
+    keys per layer, the open windows at most m rows: neither grows with the context).
+    key_bytes, index_key_bytes: one stored key of head_dim and of index_head_dim values."""
+    return sum((key_bytes + (index_key_bytes if t == "compressed_sparse_attention" else 0)) / args.ratio(i)
+               for i, t in enumerate(args.layer_types) if args.ratio(i))

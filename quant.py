@@ -188,7 +188,7 @@ def fp4_quant(w):  # [N, K] float -> [N, K/2] uint8 packed, [N, K/32] float32 po
         raise ValueError(f"fp4_quant: K={K} is not a multiple of {MX_BLOCK}")
     wb = w.reshape(N, K // MX_BLOCK, MX_BLOCK)
     amax = np.abs(wb).max(-1)
-    e = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1))) - 2, 0)
+    e = np.where(amax > 0, np.frexp(np.where(amax > 0, amax, 1))[1] - 1 - 2, 0)     # floor(log2 amax) - 2, exact
     s = np.exp2(e).astype(np.float32)                                    # e8m0 value
     q = np.clip(wb / s[..., None], -6, 6).astype(FP4).reshape(N, K)
     nib = q.view(np.uint8) & 0xF

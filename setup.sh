@@ -3,8 +3,8 @@
 #   ./setup.sh          the demo's packages (requirements.txt: NumPy, ml_dtypes, tokenizers; about 150 MB)
 #   ./setup.sh --tests  and the test suite's (requirements-test.txt: torch's CPU build, triton,
 #                       transformers, hypothesis...; about 2 GB)
-# Every version comes from constraints.txt (the lock). Then the bundled tiny checkpoint tiny-v32/,
-# built deterministically (seed 0; the same bytes on any CPU).
+# Every version comes from constraints.txt (the lock). Then the bundled tiny checkpoints tiny-v32/ and
+# tiny-v4/ (DeepSeek-V4-Flash), built deterministically (seed 0; the same bytes on any CPU).
 set -euo pipefail
 cd "$(dirname "$0")"
 case "${1:-}" in
@@ -40,4 +40,7 @@ if ! installed "$want"; then
 fi
 if [ ! -f tiny-v32/config.json ] || [ ! -f tiny-v32/.dsa-ref-checkpoint ]; then
   .venv/bin/python checkpoint.py tiny-v32           # built before the marker: other bf16 bytes, rebuilt
+fi
+if [ ! -f tiny-v4/config.json ] || [ ! -f tiny-v4/.dsa-ref-checkpoint ]; then
+  .venv/bin/python checkpoint.py tiny-v4 --v4
 fi

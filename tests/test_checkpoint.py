@@ -358,6 +358,16 @@ def test_bundled_checkpoint_bytes_are_the_same_everywhere(tmp_path):
                       "model-00002-of-00002.safetensors": "4a78d93080839e73189b62d0"}
 
 
+def test_bundled_v4_checkpoint_bytes_are_the_same_everywhere(tmp_path):
+    # tiny-v4 likewise: float64 draws, then power-of-two scalings and single roundings (bf16 by
+    # quant.round_once, FP8 and FP4 by ml_dtypes' casts, float32 by IEEE); its goldens are keyed by these bytes
+    import hashlib
+    out = checkpoint.build_tiny(tmp_path / "tiny", tokenizer=False, v4=True)
+    digest = {f.name: hashlib.sha256(f.read_bytes()).hexdigest()[:24] for f in sorted(out.glob("*.safetensors"))}
+    assert digest == {"model-00001-of-00002.safetensors": "3b302b0eb92b94754dcc91f0",
+                      "model-00002-of-00002.safetensors": "0f662289853fd285a5cf0ace"}
+
+
 def test_random_weights_report_progress_per_layer():
     # real-size builds take minutes: build_tiny prints a line per layer drawn (progress), the same draws
     cfg = checkpoint.tiny_config(num_hidden_layers=2, num_nextn_predict_layers=1)

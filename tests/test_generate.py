@@ -98,6 +98,7 @@ def test_sampling_is_an_exact_categorical_draw():
 class ScriptedModel:
     """Stands in for the Transformer: each forward call 'predicts' the next token of a script, so the
     chat wiring (tool calls, results, cache reuse) can be checked without a trained model."""
+    can_rewind = True
 
     def __init__(self, script, vocab=129280):
         from types import SimpleNamespace
@@ -412,3 +413,47 @@ def test_threads_flag(tiny):
         assert verify.platform_id("torch", "cpu").endswith("torch threads 1")
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory):
+    return checkpoint.build_tiny(tmp_path_factory.mktemp("tiny") / "tiny-v4", v4=True)
+
+
+def test_cli_runs_v4(tiny_v4, tmp_path):
+    # DeepSeek-V4-Flash through the same command: dsml4 by default (no chat template), exact numerics,
+    # a batch, and an interactive chat (V4's caches cannot rewind: a turn whose prompt departs from the
+    # cached tokens starts over)
+    r = run("--ckpt", tiny_v4, "--prompt", "Hello, who are you?", "--max-new-tokens", 12, "--temperature", 0)
+    assert r.returncode == 0, r.stderr
+    assert "numerics=exact attention=sparse" in r.stderr and "chat_format=dsml4" in r.stderr
+    assert "decode:" in r.stderr and len(r.stdout.strip()) > 0
+    f = tmp_path / "prompts.txt"
+    f.write_text("First prompt, short.\n\nA second prompt that is a good deal longer than the first one.\n")
+    b = run("--ckpt", tiny_v4, "--input-file", f, "--max-new-tokens", 4, "--temperature", 0)
+    assert b.returncode == 0 and b.stdout.count("Completion: ") == 2, b.stderr
+    i = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(tiny_v4), "--interactive",
+                        "--max-new-tokens", "4", "--temperature", "0"],
+                       input="hi\nand again\n/exit\n", capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert i.returncode == 0 and i.stderr.count("prefill:") == 2, i.stderr
+    for flags, message in ((["--numerics", "official"], "exact numerics so far"),
+                           (["--backend", "torch", "--device", "cpu"], "NumPy reference")):
+        e = run("--ckpt", tiny_v4, "--prompt", "x", *flags)
+        assert e.returncode == 2 and message in e.stderr and "Traceback" not in e.stderr, e.stderr
+
+
+def test_v4_interactive_never_rewinds(tiny_v4):
+    # V4's caches cannot rewind: a turn continues at the cached length or starts over at 0, never between
+    # (dsml4 with thinking drops the earlier reasoning from the history, so turn 2 departs from the cache)
+    import io
+    from types import SimpleNamespace
+    from model import Transformer
+    m = Transformer.from_pretrained(tiny_v4)
+    tok = generate.load_tokenizer(tiny_v4)
+    calls, real = [], m.forward
+    m.forward = lambda tokens, start_pos=0, **kw: calls.append((start_pos, m.cached_len)) or real(tokens, start_pos, **kw)
+    a = SimpleNamespace(chat_format="dsml4", thinking=True, tool_list=None, max_new_tokens=3, temperature=0)
+    answers = iter(["hi", "again", "/exit"])
+    generate.interactive(m, tok, a, np.random.default_rng(0), 1, read=lambda p: next(answers), out=io.StringIO())
+    assert all(start in (0, cached) for start, cached in calls)
+    assert sum(start == 0 for start, _ in calls) == 2                     # turn 2 started over

@@ -289,6 +289,8 @@ def test_caches_stay_small(pair):
                     for i, k in enumerate(a.layer_types) if a.ratio(i))      # float32 keys per token of context
     grow = (sizes[-1] - sizes[63]) / (160 - 64)                              # past the first windows
     assert abs(grow - per_token) <= 0.25 * per_token, (grow, per_token)
+    import model_v4                                                          # the README's figure's formula
+    assert abs(model_v4.cache_bytes_per_token(a, 4 * c, 4 * a.index_head_dim) - grow) <= 0.25 * per_token
 
 
 def test_start_pos_must_continue_the_cache(pair):
