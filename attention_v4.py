@@ -47,35 +47,66 @@ class V4LayerCache:
         return self.ring.nbytes + sum(s.rows.nbytes + s.keys.nbytes + sum(a.nbytes for a in s.prev or ()) for s in states)
 
 
-def attention_ref(q, keys, allowed, sink, scale):  # [B,T,H,c], [B,S,c], [B,T,S], [H] -> [B,T,H,c]
-    """Every head against the one shared key set; values are the keys themselves."""
+def attention_ref(q, keys, allowed, sink, scale, official=False):  # [B,T,H,c], [B,S,c], [B,T,S], [H] -> [B,T,H,c]
+    """Every head against the one shared key set; values are the keys themselves. Official numerics
+    (the official sparse_attn kernel): fp32 scores and softmax with the max over the keys only, the sink
+    joining the denominator last, the probabilities rounded to bf16 for the weighted sum (not for the
+    denominator), the output in bf16."""
     z = np.einsum("bthc,bsc->bhts", q, keys) * np.float32(scale)               # [B, H, T, S]
     z = np.where(allowed[:, None], z, -np.inf)
-    p = attention.softmax_ref(z, sink=sink)                                     # sink in the denominator
-    return np.einsum("bhts,bsc->bthc", p, keys).astype(np.float32)
+    if not official:
+        p = attention.softmax_ref(z, sink=sink)                                 # sink in the denominator
+        return np.einsum("bhts,bsc->bthc", p, keys).astype(np.float32)
+    m = z.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)                                          # a query with no key
+    e = np.exp(z - m)                                                           # [B, H, T, S] fp32
+    # sums over the keys in float64, rounded once: the same result however many keys a chunk's rows
+    # carry (fp32 sums of different lengths associate differently)
+    denom = e.sum(-1, keepdims=True, dtype=np.float64).astype(np.float32) + np.exp(np.asarray(sink, np.float32)[:, None, None] - m)
+    o = np.einsum("bhts,bsc->bhtc", quant.bf16_round(e).astype(np.float64), keys.astype(np.float64))
+    return quant.bf16_round(o.astype(np.float32) / denom).transpose(0, 2, 1, 3)   # bf16 P, fp32 sums
 
 
-def grouped_output_ref(o, wo_a, wo_b, g):  # [B, T, H, c] -> [B, T, d]: W^OB [W^OA_γ õ_γ]_γ
+def rms_norm_bf16(x, eps):  # [..., c] -> [..., c]: the official per-head q norm, every step in bf16
+    """q * rsqrt(mean(q²) + eps) on a bf16 tensor: q² rounded to bf16, the mean accumulated in fp32 and
+    rounded, + eps, rsqrt and the product each rounded to bf16."""
+    r = quant.bf16_round
+    ms = r(r(x * x).mean(-1, keepdims=True))
+    return r(x * r(np.float32(1) / np.sqrt(r(ms + np.float32(eps)))))
+
+
+def kv_fp8_ref(kv, R):  # not in paper: the official code's KV fake quant, FP8 per 64 on the nope dims, in bf16
+    nope = quant.bf16_round(quant.act_dequant(*quant.act_quant(kv[..., :-R], 64), 64))
+    return np.concatenate([nope, kv[..., -R:]], -1)
+
+
+def grouped_output_ref(o, wo_a, wo_b, g, official=False):  # [B, T, H, c] -> [B, T, d]: W^OB [W^OA_γ õ_γ]_γ
+    """Official numerics: W^OA dequantized to bf16 (exact) for a bf16 einsum, then W^OB's FP8 linear."""
     B, T, H, c = o.shape
     og = o.reshape(B, T, g, H // g * c)                                        # õ_{t,γ}: heads of group γ
     Wa = wo_a.dequant().reshape(g, -1, og.shape[-1])                           # W^OA_γ [g, d_g, H/g c]
     z = np.einsum("btgk,gok->btgo", og, Wa).reshape(B, T, -1)                  # [B, T, g d_g]
-    return quant.linear_ref(z, wo_b, False)
+    return quant.linear_ref(quant.bf16_round(z) if official else z, wo_b, official)
 
 
-def attention_v4_forward(x, p, kind, m, start_pos, freqs, args, cache, sparse=True):
+def attention_v4_forward(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, official=False):
     """One attention layer over a chunk of T tokens at positions start_pos.. (a prefill, a chunk after
     the cache, or one decode token): x [B, T, d] (the normed input) -> [B, T, d]; updates `cache`.
     kind: sliding_attention, compressed_sparse_attention or heavily_compressed_attention, m its
     compression rate; freqs [R/2] the layer's RoPE frequencies (config.V4Args.freqs). sparse=False:
-    CSA layers attend every complete window, as HCA layers do (the indexer is not run)."""
+    CSA layers attend every complete window, as HCA layers do (the indexer is not run). official: the
+    official code's rounding points (bf16 activations, FP8 linears, the FP8 / FP4 fake quant of keys)."""
     B, T, _ = x.shape
-    H, c, W, eps = args.num_attention_heads, args.head_dim, args.sliding_window, args.rms_norm_eps
+    H, c, W, R, eps = args.num_attention_heads, args.head_dim, args.sliding_window, args.qk_rope_head_dim, args.rms_norm_eps
+    rnd = quant.bf16_round if official else quant.no_round
     cos, sin = rope.rope_angles(freqs, start_pos + np.arange(T))                        # [T, R/2]
-    qr = rms_norm(quant.linear_ref(x, p["wq_a"], False), p["q_norm"], eps)              # c^Q [B, T, d_c]
-    q = rms_norm(quant.linear_ref(qr, p["wq_b"], False).reshape(B, T, H, c), None, eps)   # RMSNorm₀ per head
-    q = rope_tail(q, cos, sin)                                                          # [B, T, H, c]
-    kv = rope_tail(rms_norm(quant.linear_ref(x, p["wkv"], False), p["kv_norm"], eps)[:, :, None], cos, sin)[:, :, 0]
+    qr = rms_norm(quant.linear_ref(x, p["wq_a"], official), p["q_norm"], eps, rnd)      # c^Q [B, T, d_c]
+    q = quant.linear_ref(qr, p["wq_b"], official).reshape(B, T, H, c)
+    q = rms_norm_bf16(q, eps) if official else rms_norm(q, None, eps)                   # RMSNorm₀ per head
+    q = rnd(rope_tail(q, cos, sin))                                                     # [B, T, H, c]
+    kv = rms_norm(quant.linear_ref(x, p["wkv"], official), p["kv_norm"], eps, rnd)
+    kv = rnd(rope_tail(kv[:, :, None], cos, sin)[:, :, 0])                              # κ [B, T, c]
+    kv = kv_fp8_ref(kv, R) if official else kv
 
     # the window: the ring's last W - 1 positions before this chunk, then the chunk's own keys
     P = min(start_pos, W - 1)
@@ -86,15 +117,18 @@ def attention_v4_forward(x, p, kind, m, start_pos, freqs, args, cache, sparse=Tr
     cache.ring[:, last % W] = kv[:, -len(last):]                                        # the ring keeps n_win
 
     if kind != "sliding_attention":                     # compressed keys: every complete window so far
-        compressor.compress_ref(x, p["compressor"], m, m == 4, start_pos, freqs, eps, cache.comp)
+        compressor.compress_ref(x, p["compressor"], m, m == 4, start_pos, freqs, eps, cache.comp, rnd,
+                                (lambda K: kv_fp8_ref(K, R)) if official else None)
         K = cache.comp.keys                                                             # [B, n, c]
         if kind == "heavily_compressed_attention" or not sparse:
             comp = np.broadcast_to(indexer.causal_ref(T, start_pos, K.shape[1], m), (B, T, K.shape[1]))
         else:                                           # CSA: the indexer's top-k of them
-            compressor.compress_ref(x, p["indexer"]["compressor"], m, True, start_pos, freqs, eps, cache.idx)
-            comp = compressor.indexer_select_ref(x, qr, p["indexer"], cache.idx.keys, start_pos, cos, sin, args)
+            compressor.compress_ref(x, p["indexer"]["compressor"], m, True, start_pos, freqs, eps, cache.idx, rnd,
+                                    compressor.index_fp4_ref if official else None)
+            comp = compressor.indexer_select_ref(x, qr, p["indexer"], cache.idx.keys, start_pos, cos, sin, args,
+                                                 official)
         keys = np.concatenate([keys, K], 1)                                             # [B, P + T + n, c]
         allowed = np.concatenate([allowed, comp], -1)
-    o = attention_ref(q, keys, allowed, p["attn_sink"], args.softmax_scale)
-    o = rope_tail(o, cos, -sin)                                                         # RoPE_{-t}
-    return grouped_output_ref(o, p["wo_a"], p["wo_b"], args.o_groups)
+    o = attention_ref(q, keys, allowed, p["attn_sink"], args.softmax_scale, official)
+    o = rnd(rope_tail(o, cos, -sin))                                                    # RoPE_{-t}
+    return grouped_output_ref(o, p["wo_a"], p["wo_b"], args.o_groups, official)

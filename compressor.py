@@ -29,10 +29,10 @@ import quant
 import rope
 
 
-def rms_norm(x, w, eps):  # [..., c] -> [..., c] float32 (w None: unweighted)
+def rms_norm(x, w, eps, rnd=quant.no_round):  # [..., c] -> [..., c]: rnd(w * x / rms(x)) in fp32 (w None: unweighted)
     x = np.asarray(x, np.float32)
-    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(eps))
-    return y if w is None else y * w
+    y = x * (np.float32(1) / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(eps)))   # x * rsqrt, as both codes
+    return rnd(y if w is None else w * y)
 
 
 def rope_tail(x, cos, sin):  # the trailing R dims rotated in interleaved pairs: [B, T, H, c] -> [B, T, H, c]
@@ -70,13 +70,15 @@ def pool_ref(C, Z, prev, m, overlap):  # complete windows' C, Z [B, k m, (2)c] -
     return ((g / g.sum(2, keepdims=True)) * kv).sum(2).astype(np.float32)               # per-channel softmax
 
 
-def compress_ref(h, p, m, overlap, start_pos, freqs, eps, state):  # h [B, T, d] -> the new keys [B, k, c]
-    """h: the layer's normed input at positions start_pos.. (continuing `state`); p: wkv, wgate (Weights
-    [c or 2c, d]), ape [m, c or 2c], norm [c]; freqs [R/2]: the layer's RoPE frequencies. Appends the
-    keys of the windows completed here to state.keys (RoPE at each window's first token, m w)."""
+def compress_ref(h, p, m, overlap, start_pos, freqs, eps, state, rnd=quant.no_round, stored=None):
+    """h [B, T, d]: the layer's normed input at positions start_pos.. (continuing `state`); p: wkv, wgate
+    (Weights [c or 2c, d]), ape [m, c or 2c], norm [c]; freqs [R/2]: the layer's RoPE frequencies.
+    Appends the keys of the windows completed here to state.keys (RoPE at each window's first token,
+    m w) and returns them [B, k, c]. Official numerics: the pooling in fp32, then bf16 (rnd) for the
+    norm and RoPE, then `stored`, the fake quantisation of the cached keys (FP8 or Hadamard + FP4)."""
     B, T, _ = h.shape
-    C = quant.linear_ref(h, p["wkv"], False)                                           # C_j [B, T, (2)c]
-    Z = quant.linear_ref(h, p["wgate"], False) + p["ape"][(start_pos + np.arange(T)) % m]   # Z_j + B_{j mod m}
+    C = quant.matmul_f32(h, p["wkv"].dequant().T)                                      # C_j [B, T, (2)c], fp32
+    Z = quant.matmul_f32(h, p["wgate"].dequant().T) + p["ape"][(start_pos + np.arange(T)) % m]   # Z_j + B_{j mod m}
     rows = np.concatenate([state.rows, np.concatenate([C, Z], -1)], 1)                 # the open window first
     k = rows.shape[1] // m
     full, state.rows = rows[:, :k * m], rows[:, k * m:]
@@ -89,18 +91,32 @@ def compress_ref(h, p, m, overlap, start_pos, freqs, eps, state):  # h [B, T, d]
         state.prev = (last[..., :half], last[..., half:])
     w0 = state.keys.shape[1]                                                           # windows emitted before
     cos, sin = rope.rope_angles(freqs, m * (w0 + np.arange(k)))                        # at m w
-    K = rope_tail(rms_norm(pooled, p["norm"], eps)[:, :, None], cos, sin)[:, :, 0]
+    K = rnd(rope_tail(rms_norm(rnd(pooled), p["norm"], eps, rnd)[:, :, None], cos, sin)[:, :, 0])
+    K = K if stored is None else stored(K)
     state.keys = np.concatenate([state.keys, K], 1)
     return K
 
 
-def indexer_select_ref(x, qr, p, K_idx, start_pos, cos, sin, args):  # -> [B, T, n] bool: the picked keys
+def index_fp4_ref(x):  # not in paper: the official code's indexer fake quant, Hadamard then FP4 per 32, in bf16
+    return quant.bf16_round(quant.fp4_roundtrip(quant.bf16_round(indexer.rotate_activation_ref(x))))
+
+
+def indexer_select_ref(x, qr, p, K_idx, start_pos, cos, sin, args, official=False):  # -> [B, T, n] bool
     """The CSA lightning indexer: x [B, T, d] the layer's normed input, qr [B, T, d_c] = c^Q, K_idx
-    [B, n, c^I] every key of its compressor so far; cos, sin [T, R/2] at the query positions."""
+    [B, n, c^I] every key of its compressor so far; cos, sin [T, R/2] at the query positions.
+    Official numerics: q and the keys through index_fp4_ref, the head weights and the scores in bf16."""
     B, T, _ = x.shape
     J, D = args.index_n_heads, args.index_head_dim
-    q = rope_tail(quant.linear_ref(qr, p["wq_b"], False).reshape(B, T, J, D), cos, sin)   # q^I [B, T, J, D]
-    w = quant.linear_ref(x, p["weights_proj"], False) * np.float32(J ** -0.5) * np.float32(D ** -0.5)
-    # not in paper: 1 / sqrt(c^I) folded into the head weights, as V3.2's (index_scores_ref has no scale)
-    I = indexer.index_scores_ref(q, w, K_idx, np.ones(K_idx.shape[:2], np.float32))   # eq. (16) [B, T, n]
+    q = rope_tail(quant.linear_ref(qr, p["wq_b"], official).reshape(B, T, J, D), cos, sin)   # q^I [B, T, J, D]
+    if not official:
+        w = quant.linear_ref(x, p["weights_proj"], False) * np.float32(J ** -0.5) * np.float32(D ** -0.5)
+        # not in paper: 1 / sqrt(c^I) folded into the head weights, as V3.2's (index_scores_ref has no scale)
+        I = indexer.index_scores_ref(q, w, K_idx, np.ones(K_idx.shape[:2], np.float32))   # eq. (16) [B, T, n]
+    else:                                               # bf16 q, keys, weights; bf16 GEMM, ReLU, head sum
+        rnd = quant.bf16_round
+        q = index_fp4_ref(rnd(q))
+        xw = rnd(quant.matmul_f32(x, p["weights_proj"].dequant().T))                    # a bf16 GEMM
+        w = rnd(xw * np.float32(J ** -0.5 * D ** -0.5))                                   # [B, T, J]
+        qk = rnd(np.einsum("btjd,bsd->btjs", q, K_idx))                                  # [B, T, J, n]
+        I = rnd((rnd(np.maximum(qk, 0) * w[..., None])).sum(2))
     return indexer.topk_select_ref(I, args.index_topk, start_pos, ratio=4)           # eq. (17), complete windows

@@ -268,9 +268,8 @@ def main(argv=None):
                     help="numpy: the reference path (default); torch: the fast path (CPU or GPU)")
     ap.add_argument("--device", default=None,
                     help="torch device: cpu, cuda, cuda:1 ... (default: cuda when there is a GPU, else cpu)")
-    ap.add_argument("--numerics", default=None, choices=["official", "exact"],
-                    help="official: the official model's bf16/FP8 rounding (V3.2's default); exact: float32 throughout "
-                         "(V4's default: its official rounding is not implemented yet)")
+    ap.add_argument("--numerics", default="official", choices=["official", "exact"],
+                    help="official: the official model's bf16/FP8 rounding (default); exact: float32 throughout")
     ap.add_argument("--attention", default="sparse", choices=["sparse", "dense"],
                     help="sparse: DSA top-k selection (default); dense: every causal key (V3.1-Terminus behaviour)")
     ap.add_argument("--indexer", default=None, choices=["fp8", "exact"],

@@ -11,10 +11,14 @@ it, with a doubly stochastic mix of the streams in between (spec/v4_flash.md §2
     X'_{t,j} = c_j y_t + Σ_i B_ij X_{t,i}             y_t: the sub-layer's output
 
 The output head collapses the streams once more with its own pre weights (no Sinkhorn, no post).
+Official numerics: the mixes, Sinkhorn and the sums in fp32, the streams and the collapsed input held
+in bf16, and Φ x̄ computed before its scale (transformers normalises x̄ first).
 
 Letters: M tokens, n streams, d hidden size.
 """
 import numpy as np
+
+import quant
 
 
 def sigmoid(x):
@@ -33,28 +37,36 @@ def sinkhorn_ref(B0, iters, eps):  # [..., n, n] logits -> [..., n, n], rows and
     return B
 
 
-def hc_mixes_ref(X, fn, base, scale, args):  # X [M, n, d], Φ [(2+n) n, n d] -> pre [M, n], post [M, n], comb [M, n, n]
+def mixes(x, fn, eps, official):  # x̄ [M, n d] -> μ = Φ x̄ / sqrt(mean(x̄²) + eps) [M, rows], float32
+    r = np.float32(1) / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(eps))
+    if official:                                        # the official code: the GEMM first, then the scale
+        return quant.matmul_f32(x, fn.T) * r
+    return quant.matmul_f32(x * r, fn.T)                # transformers: RMSNorm₀, then the GEMM
+
+
+def hc_mixes_ref(X, fn, base, scale, args, official=False):  # X [M, n, d], Φ [(2+n) n, n d] -> pre, post [M, n], comb [M, n, n]
     M, n, d = X.shape
     x = np.asarray(X, np.float32).reshape(M, n * d)                             # x̄, stream-major
-    mu = (x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(args.rms_norm_eps))) @ fn.T   # Φ RMSNorm₀(x̄)
-    pre = sigmoid(scale[0] * mu[:, :n] + base[:n]) + np.float32(args.hc_eps)
+    mu = mixes(x, fn, args.rms_norm_eps, official)                              # Φ RMSNorm₀(x̄), in fp32
+    pre = sigmoid(scale[0] * mu[:, :n] + base[:n]) + np.float32(args.hc_eps)     # fp32 throughout
     post = 2 * sigmoid(scale[1] * mu[:, n:2 * n] + base[n:2 * n])
     comb = sinkhorn_ref((scale[2] * mu[:, 2 * n:] + base[2 * n:]).reshape(M, n, n), args.hc_sinkhorn_iters,
                         args.hc_eps)
     return pre.astype(np.float32), post.astype(np.float32), comb.astype(np.float32)
 
 
-def hc_pre_ref(X, pre):  # [M, n, d], [M, n] -> u [M, d] = sum_i a_i X_i
-    return np.einsum("mn,mnd->md", pre, X).astype(np.float32)
+def hc_pre_ref(X, pre, rnd=quant.no_round):  # [M, n, d], [M, n] -> u [M, d] = sum_i a_i X_i (fp32, then rnd)
+    return rnd(np.einsum("mn,mnd->md", pre, X))
 
 
-def hc_post_ref(X, y, post, comb):  # [M, n, d], [M, d], [M, n], [M, n, n] -> X' [M, n, d]
-    return (post[:, :, None] * y[:, None, :] + np.einsum("mij,mid->mjd", comb, X)).astype(np.float32)  # B^T X
+def hc_post_ref(X, y, post, comb, rnd=quant.no_round):  # [M, n, d], [M, d], [M, n], [M, n, n] -> X' [M, n, d]
+    """official: the streams are held in bf16 between sub-layers (rnd); the mix is fp32."""
+    return rnd(post[:, :, None] * y[:, None, :] + np.einsum("mij,mid->mjd", comb, X))        # B^T X
 
 
-def hc_head_ref(X, fn, base, scale, args):  # the output head's collapse: [M, n, d] -> [M, d]
+def hc_head_ref(X, fn, base, scale, args, official=False):  # the output head's collapse: [M, n, d] -> [M, d]
     M, n, d = X.shape
     x = np.asarray(X, np.float32).reshape(M, n * d)
-    mu = (x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(args.rms_norm_eps))) @ fn.T   # [M, n]
+    mu = mixes(x, fn, args.rms_norm_eps, official)                               # [M, n]
     pre = sigmoid(scale[0] * mu + base) + np.float32(args.hc_eps)
-    return hc_pre_ref(X, pre.astype(np.float32))
+    return hc_pre_ref(X, pre.astype(np.float32), quant.bf16_round if official else quant.no_round)

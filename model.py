@@ -140,11 +140,6 @@ def probe_experts(w, host_layers, ops, rows=2):
 # -----------------------------------------------------------------------------
 # Weights onto the backend, and the copies made from them at load
 
-def default_numerics(config):  # a checkpoint's config.json -> the numerics a load gets without asking
-    """official for V3.2-Exp; exact for DeepSeek-V4 (its official rounding points are not implemented yet)."""
-    return "exact" if config.get("model_type") == "deepseek_v4" else "official"
-
-
 def make_ops(backend, device=None):  # the op table of a backend ("numpy", or "torch" on a device)
     if backend == "numpy":
         if device not in (None, "cpu"):
@@ -268,7 +263,7 @@ class Transformer:
                         ops=None):
         """Open a checkpoint folder in the real layout: DeepSeek-V3.2-Exp here, DeepSeek-V4 (config.json's
         model_type deepseek_v4) as model_v4.TransformerV4 with the options that apply to it.
-        numerics: "official" or "exact" (None: the model's default, official for V3.2).
+        numerics: "official" (None: the default) or "exact".
         NumPy: weights stay memory-mapped until used.
         torch: each layer's tensors go to the device as they are read (FP8 stays FP8), then every
         routed expert passes a known-answer probe (probe_experts); progress(i, n) is called after each layer.
@@ -282,7 +277,7 @@ class Transformer:
             import model_v4
             return model_v4.TransformerV4.from_pretrained(path, backend, numerics, attention, indexer, max_seq_len,
                                                           device, progress, n_layers, parallel, ops, ck)
-        numerics = numerics or default_numerics(ck.config)
+        numerics = numerics or "official"
         ops = ops or make_ops(backend, device)
         if parallel is not None:
             ops = parallel.wrap(ops)

@@ -15,8 +15,18 @@ layers route tokens to experts by a fixed table (tid2eid), the rest by the gate'
 
 The caches stay small: per layer the keys of the last n_win positions (a ring) and each compressor's
 open window and emitted keys (one per m tokens), so a decode step does not grow with a full-length KV
-cache. So far: the NumPy reference in exact numerics (float32 on dequantized weights: what
-transformers' DeepseekV4ForCausalLM computes); the official numerics and the torch path come next.
+cache; forward continues at the cached length and cannot rewind (can_rewind).
+
+Numerics, set at load time, as for V3.2:
+- "official" (default): the rounding points of the official V4 inference code (revision 60d8d707:
+  bf16 activations and residual streams; FP8 act_quant per 128 before every FP8 linear and the FP4
+  expert GEMM (weights widened to FP8, scales per 32); the KV keys' FP8 round trip per 64 on the 448
+  nope dims; the indexer's Hadamard + FP4 round trip per 32 and its bf16 scores; fp32 mHC mixes,
+  Sinkhorn, compressors, router and head; the routing weight before w2; bf16 probabilities in the
+  weighted sum, the sink in the denominator). Every GEMM is a function of its own row (FP8 / FP4
+  partials exact, fp32 GEMMs summed in float64 and rounded once), so decode equals prefill bit for bit.
+- "exact": float32 on dequantized weights, what transformers' DeepseekV4ForCausalLM computes.
+The torch path and the GPU kernels come next.
 
 Letters: B batch, T tokens, M = B T, n streams (hc_mult), d hidden size, V vocabulary.
 """
@@ -118,12 +128,13 @@ class TransformerV4:
 
     can_rewind = False      # the window ring and the compressors' open windows hold no earlier positions
 
-    def __init__(self, args, weights, ck_path=None, numerics="exact", attention="sparse"):
-        if numerics != "exact":
-            raise ValueError(f"numerics {numerics!r}: DeepSeek-V4 runs in exact numerics so far (numerics='exact'); "
-                             "the official code's rounding points are not implemented yet")
+    def __init__(self, args, weights, ck_path=None, numerics="official", attention="sparse"):
+        if numerics not in ("official", "exact"):
+            raise ValueError(f"numerics must be 'official' or 'exact', got {numerics!r}")
+        self.official = numerics == "official"
         self.args, self.w, self.path, self.numerics = args, weights, ck_path, numerics
-        self.attention, self.indexer = attention, "exact"     # dense: CSA layers attend every complete window
+        self.attention = attention                          # dense: CSA layers attend every complete window
+        self.indexer = "fp4" if self.official else "exact"  # Hadamard + FP4 keys and queries, or float32
         self.freqs = {False: args.freqs(False), True: args.freqs(True)}    # plain, and YaRN for compressed layers
         self.caches, self.cached_len = [], 0
 
@@ -132,12 +143,13 @@ class TransformerV4:
                         device=None, progress=None, n_layers=None, parallel=None, ops=None, ck=None):
         """The checkpoint folder in the official layout (model.Transformer.from_pretrained comes here for
         a deepseek_v4 config). Options that do not apply to V4 yet are refused in one line."""
-        numerics = numerics or "exact"                     # model.default_numerics: official is not implemented yet
+        numerics = numerics or "official"
         refused = {"backend": (backend, "numpy"), "indexer": (indexer, None), "parallel": (parallel, None),
                    "ops": (ops, None)}
         for k, (got, want) in refused.items():
-            if got != want and not (k == "indexer" and got == "exact"):
-                raise ValueError(f"{k}={got!r}: DeepSeek-V4 runs on the NumPy reference in exact numerics so far")
+            if got != want:
+                raise ValueError(f"{k}={got!r}: DeepSeek-V4 runs on the NumPy reference so far (its indexer's "
+                                 "precision follows --numerics)")
         if device not in (None, "cpu"):
             raise ValueError(f"device {device!r}: DeepSeek-V4 runs on the NumPy reference (CPU) so far")
         if attention not in ("sparse", "dense"):
@@ -185,26 +197,27 @@ class TransformerV4:
                              f"{self.cached_len} (batch {self.caches[0].ring.shape[0] if self.caches else 0}), or starts over at 0")
         if start_pos + T > a.max_seq_len:
             raise ValueError(f"start_pos {start_pos} + {T} tokens exceeds max_seq_len {a.max_seq_len}")
-        n, d = a.hc_mult, a.hidden_size
-        e = np.asarray(w["embed"][tokens], np.float32).reshape(B * T, d)
+        n, d, off = a.hc_mult, a.hidden_size, self.official
+        rnd = quant.bf16_round if off else quant.no_round
+        e = rnd(np.asarray(w["embed"][tokens], np.float32)).reshape(B * T, d)         # bf16 rows
         X = np.repeat(e[:, None], n, 1)                                              # X^0 [M, n, d]
         for i, (lw, cache) in enumerate(zip(w["layers"], self.caches)):
             kind, m = a.layer_types[i], a.ratio(i)
-            pre, post, comb = hc_mixes_ref(X, lw["hc_attn_fn"], lw["hc_attn_base"], lw["hc_attn_scale"], a)
-            h = rms_norm(hc_pre_ref(X, pre), lw["attn_norm"], a.rms_norm_eps).reshape(B, T, d)
+            pre, post, comb = hc_mixes_ref(X, lw["hc_attn_fn"], lw["hc_attn_base"], lw["hc_attn_scale"], a, off)
+            h = rms_norm(hc_pre_ref(X, pre, rnd), lw["attn_norm"], a.rms_norm_eps, rnd).reshape(B, T, d)
             y = attention_v4_forward(h, lw["attn"], kind, m, start_pos, self.freqs[m > 0], a, cache,
-                                     self.attention == "sparse")
-            X = hc_post_ref(X, y.reshape(B * T, d), post, comb)
-            pre, post, comb = hc_mixes_ref(X, lw["hc_ffn_fn"], lw["hc_ffn_base"], lw["hc_ffn_scale"], a)
-            h = rms_norm(hc_pre_ref(X, pre), lw["ffn_norm"], a.rms_norm_eps)
-            y = moe.moe_ref(h, lw["ffn"], a, False, tokens.reshape(-1))
-            X = hc_post_ref(X, y, post, comb)
+                                     self.attention == "sparse", off)
+            X = hc_post_ref(X, y.reshape(B * T, d), post, comb, rnd)
+            pre, post, comb = hc_mixes_ref(X, lw["hc_ffn_fn"], lw["hc_ffn_base"], lw["hc_ffn_scale"], a, off)
+            h = rms_norm(hc_pre_ref(X, pre, rnd), lw["ffn_norm"], a.rms_norm_eps, rnd)
+            y = moe.moe_ref(h, lw["ffn"], a, off, tokens.reshape(-1), weight_inside=off)
+            X = hc_post_ref(X, y, post, comb, rnd)
             if record is not None:
                 record.setdefault("hidden", []).append(X.reshape(B, T, -1))    # the streams after layer i
         self.cached_len = start_pos + T
         hc = w["hc_head"]
-        h = rms_norm(hc_head_ref(X, hc["fn"], hc["base"], hc["scale"], a), w["norm"], a.rms_norm_eps)
-        logits = (h @ np.asarray(w["head"], np.float32).T).reshape(B, T, -1)         # [B, T, V]
+        h = rms_norm(hc_head_ref(X, hc["fn"], hc["base"], hc["scale"], a, off), w["norm"], a.rms_norm_eps, rnd)
+        logits = quant.matmul_f32(h, np.asarray(w["head"], np.float32).T).reshape(B, T, -1)   # [B, T, V], fp32 head
         return logits if all_positions else logits[:, -1]
 
 

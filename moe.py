@@ -21,14 +21,18 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
-def mlp_ref(x, p, official, limit=None):  # [M, d] -> [M, d]: w2( silu(w1 x) * (w3 x) ), SwiGLU
-    """limit (V4's swiglu_limit): silu(min(w1 x, limit)) * clip(w3 x, -limit, limit)."""
+def mlp_ref(x, p, official, limit=None, weight=None):  # [M, d] -> [M, d]: w2( silu(w1 x) * (w3 x) ), SwiGLU
+    """limit (V4's swiglu_limit): silu(min(w1 x, limit)) * clip(w3 x, -limit, limit). weight [M] (V4's
+    official code): the routing weight multiplied in fp32 before w2, not after it."""
     rnd = quant.bf16_round if official else quant.no_round
     a = quant.linear_ref(x, p["w1"], official)
     b = quant.linear_ref(x, p["w3"], official)
     if limit is not None:                                                 # not in V3: V4's clamped SwiGLU
         a, b = np.minimum(a, np.float32(limit)), np.clip(b, np.float32(-limit), np.float32(limit))
-    return quant.linear_ref(rnd(silu(a) * b), p["w2"], official)          # silu * up in fp32, then bf16
+    h = silu(a) * b                                                       # silu * up in fp32
+    if weight is not None:
+        h = h * weight[:, None]
+    return quant.linear_ref(rnd(h), p["w2"], official)                    # then bf16 into w2
 
 
 def gate_ref(x, weight, bias, args, hashed=None):  # [M, d], [E, d], [E] or None -> weights [M, K] f32, indices [M, K]
@@ -66,15 +70,19 @@ def gate_ref(x, weight, bias, args, hashed=None):  # [M, d], [E, d], [E] or None
     return (w * np.float32(args.routed_scaling_factor)).astype(np.float32), idx
 
 
-def moe_ref(x, p, args, official, tokens=None):  # [M, d] -> [M, d]
+def moe_ref(x, p, args, official, tokens=None, weight_inside=False):  # [M, d] -> [M, d]
     """Routed experts accumulate in fp32 in expert-id order, the shared experts last, one rounding.
-    V4: tokens [M] (the input ids) route the layers holding a tid2eid table; args.swiglu_limit clamps."""
+    V4: tokens [M] (the input ids) route the layers holding a tid2eid table; args.swiglu_limit clamps;
+    weight_inside: the routing weight enters before w2 (V4's official code; the same in exact arithmetic)."""
     hashed = p["tid2eid"][tokens] if "tid2eid" in p else None
     w, idx = gate_ref(x, p["gate"].dequant(), p.get("gate_bias"), args, hashed)
     limit = args.swiglu_limit
     y = np.zeros(x.shape, np.float32)
     for e in np.unique(idx):                                              # only experts some token chose
         tok, slot = np.nonzero(idx == e)
-        y[tok] += mlp_ref(x[tok], p["experts"][e], official, limit) * w[tok, slot, None]
+        if weight_inside:
+            y[tok] += mlp_ref(x[tok], p["experts"][e], official, limit, w[tok, slot])
+        else:
+            y[tok] += mlp_ref(x[tok], p["experts"][e], official, limit) * w[tok, slot, None]
     y += mlp_ref(x, p["shared_experts"], official, limit)            # eq. (12), shared experts
     return quant.bf16_round(y) if official else y

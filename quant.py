@@ -161,15 +161,22 @@ class Weight(NamedTuple):
         return weight_dequant(self.w, self.scale)
 
 
+def matmul_f32(a, b):  # a @ b of float32 arrays, summed in float64 and rounded once to float32
+    """The fp32-accumulator GEMMs of V4's reference: a definite result whatever the number of rows (BLAS
+    sums one row in another order than many, so a decode step would not equal its prefill row)."""
+    return (np.asarray(a, np.float64) @ np.asarray(b, np.float64)).astype(np.float32)
+
+
 def linear_ref(x, W, official):  # [..., K], Weight [N, K] -> [..., N] float32
-    """official: act_quant(x) then the FP8 GEMM, bf16 out (every FP8 linear of the demo);
-    exact: x @ dequant(W)^T in float32."""
+    """official: act_quant(x) then the FP8 GEMM (FP4 weights: fp4_gemm), bf16 out (every FP8 linear of
+    the official code); exact: x @ dequant(W)^T in float32."""
     if not official or W.scale is None:
         y = np.asarray(x, np.float32) @ W.dequant().T
         return bf16_round(y) if official else y
     lead = x.shape[:-1]
     q, s = act_quant(x.reshape(-1, x.shape[-1]))
-    return bf16_round(fp8_gemm(q, s, W.w, W.scale)).reshape(*lead, -1)
+    gemm = fp4_gemm if W.w.dtype == np.uint8 else fp8_gemm                # V4's routed experts are FP4
+    return bf16_round(gemm(q, s, W.w, W.scale)).reshape(*lead, -1)
 
 
 def linears_ref(x, Ws, official):  # several linears of one input -> [linear_ref(x, W) for W in Ws]
@@ -200,6 +207,33 @@ def fp4_dequant(packed, s):  # [N, K/2] uint8, [N, K/32] -> [N, K] float32
     nib = np.stack([packed & 0xF, packed >> 4], -1).reshape(N, -1)       # even index from the low nibble
     v = nib.astype(np.uint8).view(FP4).astype(np.float32)
     return (v.reshape(N, -1, MX_BLOCK) * s[..., None]).reshape(N, -1)
+
+
+def fp4_gemm(a, sa, packed, sb):  # [M, K] fp8, [M, K/128], [N, K/2] e2m1 pairs, [N, K/32] -> [M, N] f32
+    """V4's expert GEMM: the FP4 weights widened to FP8 (exact), then per 32-wide K block the fp8 x fp8
+    partial sum (exact in float64, rounded to fp32 as the accumulator), promoted by the activation's
+    scale (one per 128) and then the weight's (one per 32), K blocks ascending (the official fp4_gemm)."""
+    M, K = a.shape
+    a64 = decode(a, np.float64)
+    nib = np.stack([packed & 0xF, packed >> 4], -1).reshape(packed.shape[0], -1)   # even k: the low nibble
+    b64 = nib.astype(np.uint8).view(FP4).astype(np.float64)                    # [N, K] e2m1 values
+    acc = np.zeros((M, packed.shape[0]), np.float32)
+    for kb in range(K // MX_BLOCK):
+        k = slice(kb * MX_BLOCK, (kb + 1) * MX_BLOCK)
+        partial = (a64[:, k] @ b64[:, k].T).astype(np.float32)
+        acc += (partial * sa[:, kb * MX_BLOCK // BLOCK, None]) * sb[None, :, kb]
+    return acc
+
+
+def fp4_roundtrip(x):  # [..., N] -> [..., N] float32: V4's indexer fake quant, e2m1 per 32 with a 2^e scale
+    """s = 2^ceil(log2(amax / 6)) from amax >= 6 * 2^-126 (one fp32 multiply by fp32(1/6), as act_quant's
+    1/448), codes e2m1(clip(x / s, -6, 6)) rounded to nearest even, then fp32(code) * s."""
+    x = np.asarray(x, np.float32)
+    xb = x.reshape(*x.shape[:-1], -1, MX_BLOCK)
+    amax = np.maximum(np.abs(xb).max(-1), np.float32(6 * 2.0 ** -126))
+    s = ue8m0_ceil((amax * (np.float32(1) / np.float32(6))).astype(np.float32))
+    q = np.clip(xb / s[..., None], -6, 6).astype(FP4)
+    return (q.astype(np.float32) * s[..., None]).reshape(x.shape)
 
 
 def latent_width(C, R, group=BLOCK):  # bytes of one packed FP8 latent cache row (spec/kernels.md §3.4)

@@ -154,14 +154,11 @@ def compare_backends(ckpt, backend, device, layers, tokens, out):  # comparison 
     return ok
 
 
-def verify(ckpt, backend="torch", device=None, numerics=None, layers=None, record=False, out=sys.stdout,
+def verify(ckpt, backend="torch", device=None, numerics="official", layers=None, record=False, out=sys.stdout,
            goldens_path=GOLDENS):
-    """Print the comparisons and a verdict; -> PASS (0), FAIL (1) or NOTHING compared (3). numerics None:
-    the model's default (model.default_numerics)."""
+    """Print the comparisons and a verdict; -> PASS (0), FAIL (1) or NOTHING compared (3)."""
     from checkpoint import Checkpoint
-    from model import default_numerics
     cfg = Checkpoint(ckpt).config
-    numerics = numerics or default_numerics(cfg)
     layers = layer_count(cfg, ckpt, layers)
     tokens = np.random.default_rng(20261130).integers(3, min(cfg.get("vocab_size", 4), 100000), N_TOKENS)
     results = []                                                         # one bool per comparison that ran

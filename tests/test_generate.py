@@ -421,12 +421,12 @@ def tiny_v4(tmp_path_factory):
 
 
 def test_cli_runs_v4(tiny_v4, tmp_path):
-    # DeepSeek-V4-Flash through the same command: dsml4 by default (no chat template), exact numerics,
+    # DeepSeek-V4-Flash through the same command: dsml4 by default (no chat template), official numerics,
     # a batch, and an interactive chat (V4's caches cannot rewind: a turn whose prompt departs from the
     # cached tokens starts over)
     r = run("--ckpt", tiny_v4, "--prompt", "Hello, who are you?", "--max-new-tokens", 12, "--temperature", 0)
     assert r.returncode == 0, r.stderr
-    assert "numerics=exact attention=sparse" in r.stderr and "chat_format=dsml4" in r.stderr
+    assert "numerics=official attention=sparse indexer=fp4" in r.stderr and "chat_format=dsml4" in r.stderr
     assert "decode:" in r.stderr and len(r.stdout.strip()) > 0
     f = tmp_path / "prompts.txt"
     f.write_text("First prompt, short.\n\nA second prompt that is a good deal longer than the first one.\n")
@@ -436,7 +436,7 @@ def test_cli_runs_v4(tiny_v4, tmp_path):
                         "--max-new-tokens", "4", "--temperature", "0"],
                        input="hi\nand again\n/exit\n", capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert i.returncode == 0 and i.stderr.count("prefill:") == 2, i.stderr
-    for flags, message in ((["--numerics", "official"], "exact numerics so far"),
+    for flags, message in ((["--indexer", "fp8"], "its indexer's precision follows --numerics"),
                            (["--backend", "torch", "--device", "cpu"], "NumPy reference")):
         e = run("--ckpt", tiny_v4, "--prompt", "x", *flags)
         assert e.returncode == 2 and message in e.stderr and "Traceback" not in e.stderr, e.stderr

@@ -96,7 +96,7 @@ def pair(request, tmp_path_factory):
     hf = random_hf_model(cfg, request.param)
     path = tmp_path_factory.mktemp("v4") / "ckpt"
     checkpoint.write_checkpoint(path, cfg.to_dict(), ref_layout(hf))
-    return hf, TransformerV4.from_pretrained(path)
+    return hf, TransformerV4.from_pretrained(path, numerics="exact")
 
 
 def test_exact_logits_match_transformers(pair):
@@ -219,7 +219,7 @@ def test_sparse_selection_matches_transformers_but_for_ties(tmp_path, monkeypatc
     cfg = tiny_hf_config(index_topk=4)
     hf = random_hf_model(cfg, 0)
     checkpoint.write_checkpoint(tmp_path / "c", cfg.to_dict(), ref_layout(hf))
-    m = TransformerV4.from_pretrained(tmp_path / "c")
+    m = TransformerV4.from_pretrained(tmp_path / "c", numerics="exact")
     tokens = np.random.default_rng(3).integers(0, 512, (2, 72))
     seen = {}
     idx = hf.model.layers[2].self_attn.compressor.indexer
@@ -266,7 +266,7 @@ def test_decode_token_by_token_with_sparse_selection(tmp_path):
     # index_topk 4 < the keys a query sees: the indexer picks, and decode picks as the prefill does
     cfg = tiny_hf_config(index_topk=4)
     checkpoint.write_checkpoint(tmp_path / "c", cfg.to_dict(), ref_layout(random_hf_model(cfg, 7)))
-    m = TransformerV4.from_pretrained(tmp_path / "c")
+    m = TransformerV4.from_pretrained(tmp_path / "c", numerics="exact")
     tokens = np.random.default_rng(6).integers(0, 512, (1, 48))
     full = m.forward(tokens, all_positions=True)
     m.forward(tokens[:, :9])
@@ -300,3 +300,94 @@ def test_start_pos_must_continue_the_cache(pair):
         m.forward(np.zeros((1, 1), np.int64), start_pos=3)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         m.forward(np.full((1, 1), 512))
+
+
+# -----------------------------------------------------------------------------
+# official numerics: each rounding point against ml_dtypes / float64, and decode = prefill bit for bit
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.floats(-20, 20), st.integers(0, 2 ** 31))
+def test_fp4_roundtrip_against_ml_dtypes(rows, blocks, log_scale, seed):
+    # the indexer's FP4 fake quant: scale 2^ceil(log2(fp32(amax * fp32(1/6)))) (from frexp here),
+    # codes by ml_dtypes' e2m1 cast of x / scale, bit for bit
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, 32 * blocks)) * 2.0 ** log_scale).astype(np.float32)
+    x[0, :32] = 0 if blocks > 1 else x[0, :32]                        # an all-zero block: the amax floor
+    xb = x.reshape(rows, blocks, 32).astype(np.float64)
+    amax = np.maximum(np.abs(xb).max(-1), 6 * 2.0 ** -126).astype(np.float32)
+    v = (amax * np.float32(1 / 6)).astype(np.float32).astype(np.float64)
+    mant, ex = np.frexp(v)
+    s = np.ldexp(1.0, np.where(mant == 0.5, ex - 1, ex))               # the least 2^e >= v
+    codes = np.clip(xb / s[..., None], -6, 6).astype(ml_dtypes.float4_e2m1fn)
+    want = (codes.astype(np.float64) * s[..., None]).reshape(x.shape)
+    assert (quant.fp4_roundtrip(x) == want).all()
+
+
+def test_kv_fp8_fake_quant_on_the_nope_dims():
+    from attention_v4 import kv_fp8_ref
+    rng = np.random.default_rng(0)
+    kv = quant.bf16_round(rng.standard_normal((2, 3, 128)) * 4)
+    got = kv_fp8_ref(kv, 64)
+    assert (got[..., 64:] == kv[..., 64:]).all()                       # the rope dims stay as they are
+    for b in range(2):                                                 # per 64 values: a 2^e scale, e4m3 codes
+        for t in range(3):
+            x = kv[b, t, :64].astype(np.float64)
+            v = np.float32(max(np.abs(x).max(), 1e-4)) * np.float32(1 / 448)
+            mant, ex = np.frexp(np.float64(v))
+            s = np.ldexp(1.0, ex - 1 if mant == 0.5 else ex)
+            want = (np.clip(x / s, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s)
+            assert (got[b, t, :64] == quant.bf16_round(want)).all()
+
+
+def test_per_head_norm_in_bf16():
+    from attention_v4 import rms_norm_bf16
+    rng = np.random.default_rng(1)
+    q = quant.bf16_round(rng.standard_normal((3, 4, 128)) * 3)
+    b = lambda v: np.asarray(v, np.float64).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)   # noqa: E731
+    sq = b(q.astype(np.float64) ** 2)
+    ms = b(sq.mean(-1, keepdims=True))                                  # fp32 accumulation, one bf16 rounding
+    want = b(q * b(1 / np.sqrt(b(ms + 1e-6))))
+    assert np.abs(rms_norm_bf16(q, 1e-6) - want).max() <= 2 ** -7 * np.abs(want).max()   # within a bf16 ulp
+    assert (quant.bf16_round(rms_norm_bf16(q, 1e-6)) == rms_norm_bf16(q, 1e-6)).all()
+
+
+def test_fp4_gemm_against_float64():
+    rng = np.random.default_rng(2)
+    x = quant.bf16_round(rng.standard_normal((5, 256)))
+    p, s = quant.fp4_quant(rng.standard_normal((48, 256)).astype(np.float32))
+    q, sa = quant.act_quant(x)
+    want = quant.act_dequant(q, sa).astype(np.float64) @ quant.fp4_dequant(p, s).T.astype(np.float64)
+    assert rel_err(quant.fp4_gemm(q, sa, p, s), want) <= 1e-6
+
+
+def test_official_sink_attention_against_float64():
+    from attention_v4 import attention_ref
+    rng = np.random.default_rng(3)
+    q, K = quant.bf16_round(rng.standard_normal((1, 5, 2, 64))), quant.bf16_round(rng.standard_normal((1, 9, 64)))
+    allowed = rng.random((1, 5, 9)) < 0.6
+    allowed[:, :, 0] = True
+    sink = rng.standard_normal(2).astype(np.float32)
+    z = np.einsum("bthc,bsc->bhts", q.astype(np.float64), K.astype(np.float64)) / 8
+    z = np.where(allowed[:, None], z, -np.inf)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    p = e / (e.sum(-1, keepdims=True) + np.exp(sink[:, None, None] - z.max(-1, keepdims=True)))
+    want = np.einsum("bhts,bsc->bthc", p, K.astype(np.float64))
+    got = attention_ref(q, K, allowed, sink, 1 / 8, official=True)
+    assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()     # bf16 probabilities and output
+
+
+def test_official_decode_and_chunks_equal_one_prefill_bit_for_bit(tmp_path):
+    # every official rounding point is a function of its own row: a decode step and a chunk compute the
+    # very bits the prefill computes (the GEMMs that BLAS would sum differently for one row are summed
+    # in float64 and rounded once: quant.matmul_f32, the attention's sums over the keys)
+    path = checkpoint.build_tiny(tmp_path / "tiny-v4", tokenizer=False, v4=True)
+    m = TransformerV4.from_pretrained(path)
+    assert m.official
+    tokens = np.random.default_rng(5).integers(0, 129280, (2, 40))
+    full = m.forward(tokens, all_positions=True)
+    for cuts in ([1, 3, 4, 5, 16, 17, 31, 32, 33, 40], [20, 40]):
+        got, start = [], 0
+        for cut in cuts:
+            got.append(m.forward(tokens[:, start:cut], start_pos=start, all_positions=True))
+            start = cut
+        assert (np.concatenate(got, 1) == full).all(), cuts
