@@ -37,10 +37,12 @@ class V4LayerCache:
     positions (a ring: position j in slot j mod n_win), and each compressor's state (the open window,
     every key so far: one per m tokens; compressor.CompressorState)."""
 
-    def __init__(self, B, args, kind, p):
-        self.ring = np.zeros((B, args.sliding_window, args.head_dim), np.float32)
-        self.comp = compressor.CompressorState(B, p["compressor"]) if kind != "sliding_attention" else None
-        self.idx = compressor.CompressorState(B, p["indexer"]["compressor"]) if kind == "compressed_sparse_attention" else None
+    def __init__(self, B, args, kind, p, zeros=lambda shape: np.zeros(shape, np.float32)):  # zeros: the backend's
+        self.ring = zeros((B, args.sliding_window, args.head_dim))
+        self.selected = None                            # the CSA indexer's last picks [B, T, n] (--verify)
+        self.comp = compressor.CompressorState(B, p["compressor"], zeros) if kind != "sliding_attention" else None
+        self.idx = compressor.CompressorState(B, p["indexer"]["compressor"], zeros) \
+            if kind == "compressed_sparse_attention" else None
 
     def nbytes(self):
         states = [s for s in (self.comp, self.idx) if s is not None]
@@ -127,6 +129,7 @@ def attention_v4_forward(x, p, kind, m, start_pos, freqs, args, cache, sparse=Tr
                                     compressor.index_fp4_ref if official else None)
             comp = compressor.indexer_select_ref(x, qr, p["indexer"], cache.idx.keys, start_pos, cos, sin, args,
                                                  official)
+            cache.selected = comp                                                       # for --verify
         keys = np.concatenate([keys, K], 1)                                             # [B, P + T + n, c]
         allowed = np.concatenate([allowed, comp], -1)
     o = attention_ref(q, keys, allowed, p["attn_sink"], args.softmax_scale, official)

@@ -29,6 +29,7 @@ import torch
 
 import indexer
 import quant
+import rope
 from ops import Ops
 from quant_torch import F8, act_dequant, cpu_threads_for, dequant, fp8_gemm as fp8_gemm_torch, to_torch, unpack_latent
 import quant_torch
@@ -82,6 +83,8 @@ def linear(x, W, official, *, kern=None):  # quant.linear_ref: [..., K], Weight 
 
 
 def fp8_linear(q, s, W, *, kern=None):  # act_quant's [M, K] codes and scales times an FP8 weight -> [M, N] bf16 values
+    if W.w.dtype == torch.uint8:                                        # V4's FP4 experts (quant.fp4_gemm)
+        return bf16_round(quant_torch.fp4_gemm(q, s, W.w, W.scale), kern=kern)
     if kern is not None:
         y = kern.fp8_gemm(q, s, W.w, W.scale)                            # bf16 out, as the official kernel
     else:
@@ -534,6 +537,210 @@ def expert_linear(x, ffn, e, name, *, kern=None):  # one expert's w1 / w3 / w2 t
 
 
 # -----------------------------------------------------------------------------
+# DeepSeek-V4 (mhc.py, compressor.py, attention_v4.py, moe.py): the same steps in torch. Official
+# numerics' fp32 GEMMs are summed in float64 and rounded once, as the references (quant_torch.matmul_f32)
+
+def hc_mixes(X, fn, base, scale, args, official=False):  # mhc.hc_mixes_ref
+    M, n, d = X.shape
+    x = X.float().reshape(M, n * d)
+    r = 1 / torch.sqrt((x * x).mean(-1, keepdim=True) + args.rms_norm_eps)
+    mu = quant_torch.matmul_f32(x, fn.T) * r if official else quant_torch.matmul_f32(x * r, fn.T)
+    pre = torch.sigmoid(scale[0] * mu[:, :n] + base[:n]) + args.hc_eps
+    post = 2 * torch.sigmoid(scale[1] * mu[:, n:2 * n] + base[n:2 * n])
+    return pre, post, sinkhorn((scale[2] * mu[:, 2 * n:] + base[2 * n:]).reshape(M, n, n), args.hc_sinkhorn_iters,
+                               args.hc_eps)
+
+
+def sinkhorn(B0, iters, eps):  # mhc.sinkhorn_ref
+    B = torch.softmax(B0, -1) + eps
+    B = B / (B.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        B = B / (B.sum(-1, keepdim=True) + eps)
+        B = B / (B.sum(-2, keepdim=True) + eps)
+    return B
+
+
+def hc_pre(X, pre, rnd=no_round):  # mhc.hc_pre_ref
+    return rnd(torch.einsum("mn,mnd->md", pre, X))
+
+
+def hc_post(X, y, post, comb, rnd=no_round):  # mhc.hc_post_ref
+    return rnd(post[:, :, None] * y[:, None, :] + torch.einsum("mij,mid->mjd", comb, X))
+
+
+def hc_head(X, fn, base, scale, args, official=False, *, kern=None):  # mhc.hc_head_ref
+    M, n, d = X.shape
+    x = X.float().reshape(M, n * d)
+    r = 1 / torch.sqrt((x * x).mean(-1, keepdim=True) + args.rms_norm_eps)
+    mu = quant_torch.matmul_f32(x, fn.T) * r if official else quant_torch.matmul_f32(x * r, fn.T)
+    pre = torch.sigmoid(scale[0] * mu + base) + args.hc_eps
+    return hc_pre(X, pre, partial(bf16_round, kern=kern) if official else no_round)
+
+
+def v4_norm(x, w, eps, rnd=no_round):  # compressor.rms_norm: x * rsqrt(mean(x²) + eps), weighted
+    x = x.float()
+    y = x * (1 / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+    return rnd(y if w is None else w * y)
+
+
+def rope_tail(x, cos, sin):  # compressor.rope_tail: the trailing R dims, interleaved pairs
+    R = 2 * cos.shape[-1]
+    return torch.cat([x[..., :-R].float(), rope_interleaved(x[..., -R:], cos, sin)], -1)
+
+
+def compress(h, p, m, overlap, start_pos, freqs, eps, state, rnd=no_round, stored=None):  # compressor.compress_ref
+    B, T, _ = h.shape
+    C = quant_torch.matmul_f32(h, dequant(p["wkv"]).T)
+    Z = quant_torch.matmul_f32(h, dequant(p["wgate"]).T) + p["ape"][(start_pos + torch.arange(T, device=h.device)) % m]
+    rows = torch.cat([state.rows, torch.cat([C, Z], -1)], 1)
+    k = rows.shape[1] // m
+    full, state.rows = rows[:, :k * m], rows[:, k * m:]
+    if k == 0:
+        return state.keys[:, :0]
+    half = C.shape[-1]
+    Cw, Zw = full[..., :half].reshape(B, k, m, -1), full[..., half:].reshape(B, k, m, -1)
+    if overlap:                                         # slots [C^a of window w-1 | C^b of window w]
+        c = half // 2
+        kv = torch.zeros(B, k, 2 * m, c, device=h.device)
+        z = torch.full((B, k, 2 * m, c), -float("inf"), device=h.device)
+        kv[:, 1:, :m], z[:, 1:, :m] = Cw[:, :-1, :, :c], Zw[:, :-1, :, :c]
+        if state.prev is not None:
+            kv[:, 0, :m], z[:, 0, :m] = state.prev[0][..., :c], state.prev[1][..., :c]
+        kv[:, :, m:], z[:, :, m:] = Cw[..., c:], Zw[..., c:]
+        last = full[:, -m:]
+        state.prev = (last[..., :half], last[..., half:])
+    else:
+        kv, z = Cw, Zw
+    pooled = (torch.softmax(z, 2) * kv).sum(2)
+    w0 = state.keys.shape[1]
+    cos, sin = (torch.from_numpy(a).to(h.device) for a in rope.rope_angles(freqs, m * (w0 + np.arange(k))))
+    K = rnd(rope_tail(v4_norm(rnd(pooled), p["norm"], eps, rnd)[:, :, None], cos, sin)[:, :, 0])
+    K = K if stored is None else stored(K)
+    state.keys = torch.cat([state.keys, K], 1)
+    return K
+
+
+def kv_fp8(kv, R, *, kern=None):  # attention_v4.kv_fp8_ref: FP8 per 64 on the nope dims, in bf16
+    q, s = quant_torch.act_quant(kv[..., :-R], 64)
+    nope = bf16_round((q.float().reshape(*q.shape[:-1], -1, 64) * s[..., None]).reshape(q.shape), kern=kern)
+    return torch.cat([nope, kv[..., -R:]], -1)
+
+
+def index_fp4(x):  # compressor.index_fp4_ref: Hadamard, then FP4 per 32, in bf16
+    return bf16_round(quant_torch.fp4_roundtrip(bf16_round(rotate_activation(x))))
+
+
+def indexer_select_v4(x, qr, p, K_idx, start_pos, cos, sin, args, official=False):  # compressor.indexer_select_ref
+    B, T, _ = x.shape
+    J, D = args.index_n_heads, args.index_head_dim
+    q = rope_tail(linear(qr, p["wq_b"], official).reshape(B, T, J, D), cos, sin)
+    if not official:
+        w = linear(x, p["weights_proj"], False) * np.float32(J ** -0.5) * np.float32(D ** -0.5)
+        I = index_scores(q, w, K_idx, torch.ones(K_idx.shape[:2], device=x.device))
+    else:
+        q = index_fp4(bf16_round(q))
+        w = bf16_round(bf16_round(quant_torch.matmul_f32(x, dequant(p["weights_proj"]).T)) * np.float32(J ** -0.5 * D ** -0.5))
+        qk = bf16_round(torch.einsum("btjd,bsd->btjs", q, K_idx))
+        I = bf16_round((bf16_round(qk.clamp_min(0) * w[..., None])).sum(2))
+    n = K_idx.shape[1]
+    visible = torch.arange(n, device=x.device)[None, :] < ((start_pos + torch.arange(T, device=x.device) + 1) // 4)[:, None]
+    masked = I.masked_fill(~visible[None], -float("inf"))
+    order = torch.sort(-masked, dim=-1, stable=True).indices[..., :min(args.index_topk, n)]   # ties: lower index
+    sel = torch.zeros(B, T, n, dtype=torch.bool, device=x.device).scatter_(-1, order, True)
+    return sel & visible[None]
+
+
+def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, official=False):
+    """attention_v4.attention_v4_forward, step for step in torch."""
+    B, T, _ = x.shape
+    H, c, W, R, eps = args.num_attention_heads, args.head_dim, args.sliding_window, args.qk_rope_head_dim, args.rms_norm_eps
+    dev = x.device
+    rnd = bf16_round if official else no_round
+    cos, sin = (torch.from_numpy(a).to(dev) for a in rope.rope_angles(freqs, start_pos + np.arange(T)))
+    qr = v4_norm(linear(x, p["wq_a"], official), p["q_norm"], eps, rnd)
+    q = linear(qr, p["wq_b"], official).reshape(B, T, H, c)
+    if official:                                        # attention_v4.rms_norm_bf16: every step in bf16
+        ms = bf16_round(bf16_round(q * q).mean(-1, keepdim=True))
+        q = bf16_round(q * bf16_round(1 / torch.sqrt(bf16_round(ms + eps))))
+    else:
+        q = v4_norm(q, None, eps)
+    q = rnd(rope_tail(q, cos, sin))
+    kv = v4_norm(linear(x, p["wkv"], official), p["kv_norm"], eps, rnd)
+    kv = rnd(rope_tail(kv[:, :, None], cos, sin)[:, :, 0])
+    kv = kv_fp8(kv, R) if official else kv
+    P = min(start_pos, W - 1)
+    pos = start_pos - P + torch.arange(P + T, device=dev)
+    keys = torch.cat([cache.ring[:, pos[:P] % W], kv], 1)
+    t = start_pos + torch.arange(T, device=dev)[:, None]
+    allowed = ((pos[None] <= t) & (pos[None] > t - W))[None].expand(B, T, P + T)
+    last = pos[-min(T, W):]
+    cache.ring[:, last % W] = kv[:, -len(last):]
+    if kind != "sliding_attention":
+        compress(x, p["compressor"], m, m == 4, start_pos, freqs, eps, cache.comp, rnd,
+                 (lambda K: kv_fp8(K, R)) if official else None)
+        K = cache.comp.keys
+        n = K.shape[1]
+        if kind == "heavily_compressed_attention" or not sparse:
+            comp = (torch.arange(n, device=dev)[None] < (t + 1) // m)[None].expand(B, T, n)
+        else:
+            compress(x, p["indexer"]["compressor"], m, True, start_pos, freqs, eps, cache.idx, rnd,
+                     index_fp4 if official else None)
+            comp = indexer_select_v4(x, qr, p["indexer"], cache.idx.keys, start_pos, cos, sin, args, official)
+            cache.selected = comp                                                       # for --verify
+        keys = torch.cat([keys, K], 1)
+        allowed = torch.cat([allowed, comp], -1)
+    z = torch.einsum("bthc,bsc->bhts", q, keys) * np.float32(args.softmax_scale)
+    z = z.masked_fill(~allowed[:, None], -float("inf"))
+    sink = p["attn_sink"][:, None, None]
+    if official:                                        # attention_v4.attention_ref(official=True)
+        mx = z.amax(-1, keepdim=True)
+        mx = torch.where(torch.isfinite(mx), mx, 0)
+        e = torch.exp(z - mx)
+        denom = e.double().sum(-1, keepdim=True).float() + torch.exp(sink - mx)
+        o = torch.einsum("bhts,bsc->bhtc", bf16_round(e).double(), keys.double()).float()
+        o = bf16_round(o / denom).transpose(1, 2)
+    else:                                               # attention.softmax_ref(sink=)
+        mx = torch.maximum(z.amax(-1, keepdim=True), sink)
+        e = torch.exp(z - mx)
+        o = torch.einsum("bhts,bsc->bthc", e / (e.sum(-1, keepdim=True) + torch.exp(sink - mx)), keys)
+    o = rnd(rope_tail(o, cos, -sin))
+    g = args.o_groups
+    og = o.reshape(B, T, g, -1)
+    Wa = dequant(p["wo_a"]).reshape(g, -1, og.shape[-1])
+    zg = torch.einsum("btgk,gok->btgo", og, Wa).reshape(B, T, -1)
+    return linear(bf16_round(zg) if official else zg, p["wo_b"], official)
+
+
+def moe_v4(x, p, args, official, tokens, weight_inside=False):  # moe.moe_ref, V4's: hash routing, clamp, weight
+    logits = x.float() @ p["gate"].w.float().T
+    s = torch.sqrt(torch.nn.functional.softplus(logits)) if args.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
+    if "tid2eid" in p:
+        idx = p["tid2eid"][tokens]
+    else:
+        idx = torch.sort(-(s + p["gate_bias"]), dim=-1, stable=True).indices[:, :args.num_experts_per_tok]
+    w = s.gather(1, idx)
+    w = w / w.sum(-1, keepdim=True) * np.float32(args.routed_scaling_factor) if args.norm_topk_prob \
+        else w * np.float32(args.routed_scaling_factor)
+    rnd = bf16_round if official else no_round
+    lim = args.swiglu_limit
+
+    def ffn(h, q, weight=None):  # moe.mlp_ref with the clamp
+        a, b = linear(h, q["w1"], official).clamp(max=lim), linear(h, q["w3"], official).clamp(-lim, lim)
+        y = torch.nn.functional.silu(a) * b
+        return linear(rnd(y if weight is None else y * weight[:, None]), q["w2"], official)
+
+    y = torch.zeros(x.shape, device=x.device)
+    for e in torch.unique(idx).tolist():                # ascending expert id, fp32 sum
+        tok, slot = torch.nonzero(idx == e, as_tuple=True)
+        if weight_inside:
+            y[tok] += ffn(x[tok], p["experts"][e], w[tok, slot])
+        else:
+            y[tok] += ffn(x[tok], p["experts"][e]) * w[tok, slot, None]
+    y += ffn(x, p["shared_experts"])
+    return rnd(y)
+
+
+# -----------------------------------------------------------------------------
 # The table
 
 def torch_ops(device, kernels=True, dsa=None):
@@ -571,6 +778,9 @@ def torch_ops(device, kernels=True, dsa=None):
         store_latent=partial(store_latent, **K) if dsa else None,
         latent_attention=partial(latent_attention, dsa=dsa, **K) if dsa else None,
         selection_mask=selection_mask if dsa else None,
+        hc_mixes=hc_mixes, hc_pre=hc_pre, hc_post=hc_post, hc_head=partial(hc_head, **K), v4_norm=v4_norm,
+        v4_attention=attention_v4, v4_moe=moe_v4, matmul_f32=quant_torch.matmul_f32,
+        v4_zeros=lambda shape: torch.zeros(shape, device=device),
     )
 
 

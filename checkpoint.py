@@ -48,6 +48,10 @@ SHORT_NAMES = {
 }
 
 
+class LoadError(RuntimeError):
+    """The weights on the device do not compute what the checkpoint's tensors compute."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read as it claims to be; the message names the file and field."""
 

@@ -45,11 +45,11 @@ class CompressorState:
     [C_j | Z_j + B] of the tokens of the window not complete yet (fewer than m rows), for CSA those
     of the last complete window too (the next key's first m slots), and every key emitted so far."""
 
-    def __init__(self, B, p):  # p: the compressor's weights
+    def __init__(self, B, p, zeros=lambda shape: np.zeros(shape, np.float32)):  # p: the compressor's weights
         width, c = 2 * p["wkv"].w.shape[0], p["norm"].shape[0]
-        self.rows = np.zeros((B, 0, width), np.float32)           # [B, r < m, 2 (2) c]: C | Z of the open window
+        self.rows = zeros((B, 0, width))                          # [B, r < m, 2 (2) c]: C | Z of the open window
         self.prev = None                                          # ([B, m, 2c], [B, m, 2c]): the last complete window (CSA)
-        self.keys = np.zeros((B, 0, c), np.float32)               # [B, n, c]: K_w of every complete window
+        self.keys = zeros((B, 0, c))                              # [B, n, c]: K_w of every complete window
 
 
 def pool_ref(C, Z, prev, m, overlap):  # complete windows' C, Z [B, k m, (2)c] -> Ĉ [B, k, c], eq. (11) / (21)

@@ -34,6 +34,7 @@ import attention
 import checkpoint
 import quant
 import rope
+from checkpoint import LoadError
 from config import ModelArgs
 from ops import NUMPY_OPS
 
@@ -108,10 +109,6 @@ def check_shapes(w, args, path):  # every weight against the shape config.json i
         got = tuple((t.w if isinstance(t, quant.Weight) else t).shape)
         if got != shape:
             raise checkpoint.CheckpointError(f"{path}: {name} has shape {got}, but config.json implies {shape}")
-
-
-class LoadError(RuntimeError):
-    """The weights on the device do not compute what the checkpoint's tensors compute."""
 
 
 def probe_experts(w, host_layers, ops, rows=2):
@@ -275,8 +272,12 @@ class Transformer:
         ck = checkpoint.Checkpoint(path)
         if ck.config.get("model_type") == "deepseek_v4":             # one entry point for both models
             import model_v4
+            if backend == "torch" and device not in (None, "cpu"):
+                raise ValueError(f"device {device!r}: DeepSeek-V4's torch path runs on the CPU so far (its GPU "
+                                 "kernels are issue 19)")
             return model_v4.TransformerV4.from_pretrained(path, backend, numerics, attention, indexer, max_seq_len,
-                                                          device, progress, n_layers, parallel, ops, ck)
+                                                          device, progress, n_layers, parallel,
+                                                          ops or make_ops(backend, device), ck, probe)
         numerics = numerics or "official"
         ops = ops or make_ops(backend, device)
         if parallel is not None:

@@ -26,7 +26,10 @@ Numerics, set at load time, as for V3.2:
   weighted sum, the sink in the denominator). Every GEMM is a function of its own row (FP8 / FP4
   partials exact, fp32 GEMMs summed in float64 and rounded once), so decode equals prefill bit for bit.
 - "exact": float32 on dequantized weights, what transformers' DeepseekV4ForCausalLM computes.
-The torch path and the GPU kernels come next.
+
+Backends: the wiring below calls ops.Ops' V4 fields (hc_mixes, v4_attention, v4_moe, ...): the NumPy
+references, or backend_torch's twins (the CPU so far; V4's GPU kernels are issue 19). A torch load
+probes every routed expert against the checkpoint's own bytes (probe_experts).
 
 Letters: B batch, T tokens, M = B T, n streams (hc_mult), d hidden size, V vocabulary.
 """
@@ -35,12 +38,10 @@ from pathlib import Path
 import numpy as np
 
 import checkpoint
-import moe
 import quant
-from attention_v4 import V4LayerCache, attention_v4_forward
-from compressor import rms_norm
+from attention_v4 import V4LayerCache
 from config import V4Args
-from mhc import hc_head_ref, hc_mixes_ref, hc_post_ref, hc_pre_ref
+from ops import NUMPY_OPS
 
 # The dtypes the format stores (spec/v4_flash.md §3)
 NORM = ("BF16", "F32")
@@ -123,16 +124,63 @@ def check_shapes(w, a, path):  # every weight against the shape config.json impl
             raise checkpoint.CheckpointError(f"{path}: {name} has shape {got}, but config.json implies {shape}")
 
 
+FP4_TABLE = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])   # e2m1 codes (§3.1)
+
+
+def checkpoint_values(W):  # a checkpoint Weight -> [N, K] float64, decoded here from its bytes (the probe's oracle)
+    if W.scale is None:
+        return np.asarray(W.w, np.float64)
+    if W.w.dtype == np.uint8:                           # FP4: low nibble = even k, one scale per 32 along k
+        v = FP4_TABLE[np.stack([W.w & 0xF, W.w >> 4], -1).reshape(W.w.shape[0], -1)]
+        return v * np.repeat(np.asarray(W.scale, np.float64), 32, 1)
+    return quant.weight_dequant(W.w, W.scale).astype(np.float64)
+
+
+def probe_experts(w, host_layers, ops, rows=2):
+    """Known-answer probe at load (spec/v4_flash.md §5.2, check 2; the gfx90a report's W2): a fixed
+    input through every routed expert's w1, w2 and w3 as the backend holds and runs them (official
+    numerics: act_quant, the FP4 GEMM), against the product with the checkpoint's own bytes decoded by
+    the format's table in float64. A layout mismatch stops the load, naming layer, expert and matrix."""
+    for i, (lw, hw) in enumerate(zip(w["layers"], host_layers)):
+        for e, (dev, host) in enumerate(zip(lw["ffn"]["experts"], hw["ffn"]["experts"])):
+            for name in ("w1", "w2", "w3"):
+                ref_w = checkpoint_values(host[name])                                       # [N, K]
+                x = quant.bf16_round(np.sin(np.arange(rows * ref_w.shape[1]) * 0.37).reshape(rows, -1))
+                got = ops.linear(ops.param(x), dev[name], True)
+                got = np.asarray(got.float().cpu() if hasattr(got, "cpu") else got, np.float64)
+                xq = quant.act_dequant(*quant.act_quant(x)) if host[name].scale is not None else x   # FP8 / FP4: act_quant
+                ref = xq.astype(np.float64) @ ref_w.T
+                err = np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30)
+                if not err <= 2e-2:                                                          # bf16 output: ~2^-8
+                    raise checkpoint.LoadError(
+                        f"layer {i} expert {e} {name}: the backend's weights give {err:.0%} relative error against "
+                        "the checkpoint's bytes (a layout mismatch between loader and kernel?)")
+
+
+def to_backend(w, ops):  # a nested weight dict -> the backend's arrays; the routed experts stay a list
+    if isinstance(w, quant.Weight):
+        return ops.weight(w)
+    if isinstance(w, dict):
+        return {k: to_backend(v, ops) for k, v in w.items()}
+    if isinstance(w, list):
+        return [to_backend(v, ops) for v in w]
+    return ops.param(w)
+
+
 class TransformerV4:
     """embed -> n streams -> Block x L -> hc head -> norm -> head."""
 
     can_rewind = False      # the window ring and the compressors' open windows hold no earlier positions
 
-    def __init__(self, args, weights, ck_path=None, numerics="official", attention="sparse"):
+    def __init__(self, args, weights, ck_path=None, numerics="official", attention="sparse", ops=None):
         if numerics not in ("official", "exact"):
             raise ValueError(f"numerics must be 'official' or 'exact', got {numerics!r}")
+        self.ops = ops or NUMPY_OPS
+        if self.ops.v4_attention is None:
+            raise ValueError(f"the {self.ops.name} op table does not run DeepSeek-V4")
         self.official = numerics == "official"
-        self.args, self.w, self.path, self.numerics = args, weights, ck_path, numerics
+        self.args, self.path, self.numerics = args, ck_path, numerics
+        self.w = dict(weights, head_f32=self.ops.to_f32(weights["head"]))      # the fp32 head, made at load
         self.attention = attention                          # dense: CSA layers attend every complete window
         self.indexer = "fp4" if self.official else "exact"  # Hadamard + FP4 keys and queries, or float32
         self.freqs = {False: args.freqs(False), True: args.freqs(True)}    # plain, and YaRN for compressed layers
@@ -140,18 +188,17 @@ class TransformerV4:
 
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics=None, attention="sparse", indexer=None, max_seq_len=None,
-                        device=None, progress=None, n_layers=None, parallel=None, ops=None, ck=None):
+                        device=None, progress=None, n_layers=None, parallel=None, ops=None, ck=None, probe=True):
         """The checkpoint folder in the official layout (model.Transformer.from_pretrained comes here for
         a deepseek_v4 config). Options that do not apply to V4 yet are refused in one line."""
         numerics = numerics or "official"
-        refused = {"backend": (backend, "numpy"), "indexer": (indexer, None), "parallel": (parallel, None),
-                   "ops": (ops, None)}
-        for k, (got, want) in refused.items():
-            if got != want:
-                raise ValueError(f"{k}={got!r}: DeepSeek-V4 runs on the NumPy reference so far (its indexer's "
-                                 "precision follows --numerics)")
-        if device not in (None, "cpu"):
-            raise ValueError(f"device {device!r}: DeepSeek-V4 runs on the NumPy reference (CPU) so far")
+        if indexer is not None:
+            raise ValueError(f"indexer={indexer!r}: DeepSeek-V4's indexer precision follows numerics (FP4 in official)")
+        if parallel is not None:
+            raise ValueError("parallel: DeepSeek-V4 runs in one process so far")
+        if ops is None and backend != "numpy":
+            raise ValueError(f"backend {backend!r}: load through model.Transformer.from_pretrained (it makes the op table)")
+        ops = ops or NUMPY_OPS
         if attention not in ("sparse", "dense"):
             raise ValueError(f"attention must be 'sparse' or 'dense', got {attention!r}")
         ck = ck or checkpoint.Checkpoint(path)
@@ -171,7 +218,10 @@ class TransformerV4:
              "hc_head": {k: np.asarray(ck.get(f"hc_head_{k}", ("F32",)), np.float32) for k in ("fn", "base", "scale")},
              "layers": layers}                                                  # mtp.* skipped
         check_shapes(w, args, path)
-        return cls(args, w, path, numerics, attention)
+        held = to_backend(w, ops)
+        if ops is not NUMPY_OPS and probe:               # NumPy computes on the checkpoint's own arrays
+            probe_experts(held, w["layers"], ops)
+        return cls(args, held, path, numerics, attention, ops)
 
     def reserve(self, batch, total_len):  # the caches are a ring and the compressed keys: nothing to allocate
         if total_len > self.args.max_seq_len:
@@ -180,8 +230,10 @@ class TransformerV4:
     def forward(self, tokens, start_pos=0, all_positions=False, record=None):
         """tokens [B, T] -> logits [B, V] of the last position (or [B, T, V]). start_pos 0 starts over;
         start_pos = the cached length continues the caches (one token: decode; several: a chunk).
-        record: a dict that receives each layer's streams ("hidden" [B, T, n d]), for --verify."""
+        record: a dict that receives each layer's streams ("hidden" [B, T, n d]) and the CSA layers' picks
+        ("selected" [B, T, n]; None for the other layers), for --verify."""
         tokens = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
+        ops = self.ops
         if tokens.ndim != 2 or 0 in tokens.shape or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"tokens must be a [batch, seq] integer array, got {tokens.dtype} {tokens.shape}")
         bad = (tokens < 0) | (tokens >= self.args.vocab_size)
@@ -190,7 +242,7 @@ class TransformerV4:
         a, w = self.args, self.w
         B, T = tokens.shape
         if start_pos == 0:
-            self.caches = [V4LayerCache(B, a, a.layer_types[i], lw["attn"]) for i, lw in enumerate(w["layers"])]
+            self.caches = [V4LayerCache(B, a, a.layer_types[i], lw["attn"], ops.v4_zeros) for i, lw in enumerate(w["layers"])]
             self.cached_len = 0
         elif start_pos != self.cached_len or B != self.caches[0].ring.shape[0]:
             raise ValueError(f"start_pos {start_pos} (batch {B}): V4 continues its caches only at the cached length "
@@ -198,26 +250,28 @@ class TransformerV4:
         if start_pos + T > a.max_seq_len:
             raise ValueError(f"start_pos {start_pos} + {T} tokens exceeds max_seq_len {a.max_seq_len}")
         n, d, off = a.hc_mult, a.hidden_size, self.official
-        rnd = quant.bf16_round if off else quant.no_round
-        e = rnd(np.asarray(w["embed"][tokens], np.float32)).reshape(B * T, d)         # bf16 rows
-        X = np.repeat(e[:, None], n, 1)                                              # X^0 [M, n, d]
+        rnd = ops.bf16_round if off else ops.no_round
+        ids = ops.tokens(tokens)
+        e = rnd(ops.embed(w["embed"], ids)).reshape(B * T, d)                        # bf16 rows
+        X = ops.cat([e[:, None]] * n, 1)                                              # X^0 [M, n, d]
         for i, (lw, cache) in enumerate(zip(w["layers"], self.caches)):
             kind, m = a.layer_types[i], a.ratio(i)
-            pre, post, comb = hc_mixes_ref(X, lw["hc_attn_fn"], lw["hc_attn_base"], lw["hc_attn_scale"], a, off)
-            h = rms_norm(hc_pre_ref(X, pre, rnd), lw["attn_norm"], a.rms_norm_eps, rnd).reshape(B, T, d)
-            y = attention_v4_forward(h, lw["attn"], kind, m, start_pos, self.freqs[m > 0], a, cache,
-                                     self.attention == "sparse", off)
-            X = hc_post_ref(X, y.reshape(B * T, d), post, comb, rnd)
-            pre, post, comb = hc_mixes_ref(X, lw["hc_ffn_fn"], lw["hc_ffn_base"], lw["hc_ffn_scale"], a, off)
-            h = rms_norm(hc_pre_ref(X, pre, rnd), lw["ffn_norm"], a.rms_norm_eps, rnd)
-            y = moe.moe_ref(h, lw["ffn"], a, off, tokens.reshape(-1), weight_inside=off)
-            X = hc_post_ref(X, y, post, comb, rnd)
-            if record is not None:
-                record.setdefault("hidden", []).append(X.reshape(B, T, -1))    # the streams after layer i
+            pre, post, comb = ops.hc_mixes(X, lw["hc_attn_fn"], lw["hc_attn_base"], lw["hc_attn_scale"], a, off)
+            h = ops.v4_norm(ops.hc_pre(X, pre, rnd), lw["attn_norm"], a.rms_norm_eps, rnd).reshape(B, T, d)
+            y = ops.v4_attention(h, lw["attn"], kind, m, start_pos, self.freqs[m > 0], a, cache,
+                                 self.attention == "sparse", off)
+            X = ops.hc_post(X, y.reshape(B * T, d), post, comb, rnd)
+            pre, post, comb = ops.hc_mixes(X, lw["hc_ffn_fn"], lw["hc_ffn_base"], lw["hc_ffn_scale"], a, off)
+            h = ops.v4_norm(ops.hc_pre(X, pre, rnd), lw["ffn_norm"], a.rms_norm_eps, rnd)
+            y = ops.v4_moe(h, lw["ffn"], a, off, ids.reshape(-1), weight_inside=off)
+            X = ops.hc_post(X, y, post, comb, rnd)
+            if record is not None:                      # the streams after layer i, the CSA indexer's picks
+                record.setdefault("hidden", []).append(X.reshape(B, T, -1))
+                record.setdefault("selected", []).append(cache.selected if kind == "compressed_sparse_attention" else None)
         self.cached_len = start_pos + T
         hc = w["hc_head"]
-        h = rms_norm(hc_head_ref(X, hc["fn"], hc["base"], hc["scale"], a, off), w["norm"], a.rms_norm_eps, rnd)
-        logits = quant.matmul_f32(h, np.asarray(w["head"], np.float32).T).reshape(B, T, -1)   # [B, T, V], fp32 head
+        h = ops.v4_norm(ops.hc_head(X, hc["fn"], hc["base"], hc["scale"], a, off), w["norm"], a.rms_norm_eps, rnd)
+        logits = ops.matmul_f32(h, w["head_f32"].T).reshape(B, T, -1)               # [B, T, V], fp32 head
         return logits if all_positions else logits[:, -1]
 
 

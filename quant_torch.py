@@ -133,9 +133,12 @@ def _fp8_gemm(a, sa, b, sb, block_size):
     return acc
 
 
-def dequant(W):  # quant.Weight of tensors -> [N, K] float32 (quant.weight_dequant)
+def dequant(W):  # quant.Weight of tensors -> [N, K] float32 (quant.Weight.dequant)
     if W.scale is None:
         return W.w.float()
+    if W.w.dtype == torch.uint8:                                        # V4's FP4 experts: a scale per 32
+        v = fp4_values(W.w)
+        return (v.view(v.shape[0], -1, 32) * W.scale[:, :, None]).view(v.shape)
     with cpu_threads_for(W.w):
         return _dequant(W)
 
@@ -160,3 +163,45 @@ def unpack_latent(rows, C):  # [..., W] latent cache rows -> c^KV [..., C], k^R 
     scale = rows[..., C:C + 4 * G].contiguous().view(torch.float32)
     c = (codes.reshape(*codes.shape[:-1], G, 128) * scale[..., None]).reshape(codes.shape)
     return c, rows[..., C + 4 * G:].contiguous().view(torch.bfloat16).float()
+
+
+# -----------------------------------------------------------------------------
+# DeepSeek-V4's numbers: FP4 e2m1 experts (two codes per byte, low nibble first, a 2^e scale per 32),
+# the indexer's FP4 round trip, and fp32 GEMMs summed in float64 (quant.fp4_gemm, fp4_roundtrip, matmul_f32)
+
+_FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def fp4_values(packed, dtype=torch.float32):  # [N, K/2] uint8 -> [N, K] e2m1 values (quant.fp4_dequant's codes)
+    table = torch.tensor(_FP4_GRID + tuple(-v for v in _FP4_GRID), dtype=dtype, device=packed.device)
+    nib = torch.stack([packed & 0xF, packed >> 4], -1).reshape(packed.shape[0], -1)       # even k: the low nibble
+    return table[nib.long()]
+
+
+def fp4_gemm(a, sa, packed, sb):  # quant.fp4_gemm: [M, K] fp8, [M, K/128], [N, K/2], [N, K/32] -> [M, N] f32
+    M, K = a.shape
+    a64, b64 = fp8_values(a, torch.float64), fp4_values(packed, torch.float64)
+    acc = torch.zeros(M, packed.shape[0], dtype=torch.float32, device=a.device)
+    for kb in range(K // 32):                                           # exact partials per 32, fp32 promotion
+        k = slice(kb * 32, (kb + 1) * 32)
+        partial = (a64[:, k] @ b64[:, k].T).float()
+        acc += (partial * sa[:, kb * 32 // 128, None]) * sb[None, :, kb]
+    return acc
+
+
+def fp4_roundtrip(x):  # quant.fp4_roundtrip: [..., N] -> e2m1 per 32 with a 2^e scale, back to float32
+    x = x.float()
+    xb = x.reshape(*x.shape[:-1], -1, 32)
+    amax = xb.abs().amax(-1).clamp_min(6 * 2.0 ** -126)
+    s = ue8m0_ceil(amax * (1 / 6))
+    y = (xb / s[..., None]).clamp(-6, 6)
+    mid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=x.device)   # between grid neighbours
+    i = torch.bucketize(y.abs(), mid)                                   # a tie goes to the lower neighbour...
+    tie = (i < 7) & (y.abs() == mid[i.clamp_max(6)]) & (i % 2 == 1)
+    i = i + tie.long()                                                  # ...unless that one is odd: to even
+    grid = torch.tensor(_FP4_GRID, device=x.device)
+    return (torch.sign(y) * grid[i] * s[..., None]).reshape(x.shape)
+
+
+def matmul_f32(a, b):  # quant.matmul_f32: summed in float64, rounded once to float32
+    return (a.double() @ b.double()).float()

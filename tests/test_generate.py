@@ -436,10 +436,13 @@ def test_cli_runs_v4(tiny_v4, tmp_path):
                         "--max-new-tokens", "4", "--temperature", "0"],
                        input="hi\nand again\n/exit\n", capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert i.returncode == 0 and i.stderr.count("prefill:") == 2, i.stderr
-    for flags, message in ((["--indexer", "fp8"], "its indexer's precision follows --numerics"),
-                           (["--backend", "torch", "--device", "cpu"], "NumPy reference")):
-        e = run("--ckpt", tiny_v4, "--prompt", "x", *flags)
-        assert e.returncode == 2 and message in e.stderr and "Traceback" not in e.stderr, e.stderr
+    e = run("--ckpt", tiny_v4, "--prompt", "x", "--indexer", "fp8")
+    assert e.returncode == 2 and "indexer precision follows numerics" in e.stderr and "Traceback" not in e.stderr
+    t = run("--ckpt", tiny_v4, "--prompt", "Hello, who are you?", "--max-new-tokens", 12, "--temperature", 0,
+            "--backend", "torch", "--device", "cpu")
+    assert t.returncode == 0 and "backend=torch" in t.stderr, t.stderr
+    v = run("--ckpt", tiny_v4, "--verify", "--backend", "torch", "--device", "cpu")      # torch against NumPy, exact
+    assert "VERIFY PASS" in v.stdout and "logits rel. error" in v.stdout, v.stdout + v.stderr
 
 
 def test_v4_interactive_never_rewinds(tiny_v4):
