@@ -472,3 +472,43 @@ def test_the_expert_probe_catches_a_permuted_w2(tiny_v4, monkeypatch):
     monkeypatch.setattr(model_v4, "to_backend", permuted)
     with pytest.raises(LoadError, match=r"layer 1 expert 3 w2: the backend's weights give \d+% relative error"):
         Transformer.from_pretrained(tiny_v4, backend="torch", device="cpu")
+
+
+def test_32_greedy_tokens_equal_transformers_cached_generation(pair):
+    # transformers' own cached generation (its caches, its decode) against ours, greedy, 32 tokens
+    hf, m = pair
+    prompt = np.random.default_rng(9).integers(0, 512, (1, 21))
+    with torch.no_grad():
+        want = hf.generate(torch.as_tensor(prompt), max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                           eos_token_id=None, pad_token_id=0).numpy()[0, 21:]
+    got, nxt = [], int(m.forward(prompt).argmax())
+    for t in range(32):
+        got.append(nxt)
+        nxt = int(m.forward([[nxt]], start_pos=21 + t).argmax())
+    assert got == want.tolist()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2), st.sampled_from([4, 16]), st.integers(1, 37), st.lists(st.integers(1, 9), min_size=1, max_size=6),
+       st.integers(0, 2 ** 31))
+def test_compressor_state_at_every_boundary(B1, m, first, chunks, seed):
+    # a compressor fed a prefill of any length and then chunks of any length emits the keys that one
+    # pass over all the tokens emits (the open window and, for CSA, the previous window carried)
+    import compressor
+    rng = np.random.default_rng(seed)
+    B, d, c, overlap = B1 + 1, 32, 8, m == 4
+    width = 2 * c if overlap else c
+    p = {"wkv": quant.Weight(rng.standard_normal((width, d)).astype(np.float32), None),
+         "wgate": quant.Weight(rng.standard_normal((width, d)).astype(np.float32), None),
+         "ape": rng.standard_normal((m, width)).astype(np.float32), "norm": (1 + 0.1 * rng.standard_normal(c)).astype(np.float32)}
+    freqs = (1.0 / 100 ** (np.arange(2) / 2)).astype(np.float32)       # R = 4 rotary dims
+    h = rng.standard_normal((B, first + sum(chunks), d)).astype(np.float32)
+    whole = compressor.CompressorState(B, p)
+    compressor.compress_ref(h, p, m, overlap, 0, freqs, 1e-6, whole)
+    parts, start = compressor.CompressorState(B, p), 0
+    for n in [first] + chunks:
+        compressor.compress_ref(h[:, start:start + n], p, m, overlap, start, freqs, 1e-6, parts)
+        start += n
+    assert parts.keys.shape == whole.keys.shape == (B, h.shape[1] // m, c)
+    if whole.keys.size:
+        assert np.abs(parts.keys - whole.keys).max() <= 1e-5 * max(1.0, np.abs(whole.keys).max())
