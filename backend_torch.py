@@ -537,22 +537,28 @@ def expert_linear(x, ffn, e, name, *, kern=None):  # one expert's w1 / w3 / w2 t
 
 
 # -----------------------------------------------------------------------------
-# DeepSeek-V4 (mhc.py, compressor.py, attention_v4.py, moe.py): the same steps in torch. Official
-# numerics' fp32 GEMMs are summed in float64 and rounded once, as the references (quant_torch.matmul_f32)
+# DeepSeek-V4 (mhc.py, compressor.py, attention_v4.py, moe.py): the same steps in torch. GEMMs, sums
+# and exp / sigmoid / silu are taken in float64 and rounded once to float32: torch's CPU kernels pick
+# another BLAS kernel or split a reduction over threads by tensor size, and take another exp for a
+# tensor's tail than for its vectorised body, so a decode step would not give its prefill row's bits
+
+def f64(fn, *xs):  # fn of float64 copies, rounded to float32
+    return fn(*(x.double() for x in xs)).float()
+
 
 def hc_mixes(X, fn, base, scale, args, official=False):  # mhc.hc_mixes_ref
     M, n, d = X.shape
     x = X.float().reshape(M, n * d)
-    r = 1 / torch.sqrt((x * x).mean(-1, keepdim=True) + args.rms_norm_eps)
+    r = 1 / torch.sqrt(f64(lambda v: (v * v).mean(-1, keepdim=True), x) + args.rms_norm_eps)
     mu = quant_torch.matmul_f32(x, fn.T) * r if official else quant_torch.matmul_f32(x * r, fn.T)
-    pre = torch.sigmoid(scale[0] * mu[:, :n] + base[:n]) + args.hc_eps
-    post = 2 * torch.sigmoid(scale[1] * mu[:, n:2 * n] + base[n:2 * n])
+    pre = f64(torch.sigmoid, scale[0] * mu[:, :n] + base[:n]) + args.hc_eps
+    post = 2 * f64(torch.sigmoid, scale[1] * mu[:, n:2 * n] + base[n:2 * n])
     return pre, post, sinkhorn((scale[2] * mu[:, 2 * n:] + base[2 * n:]).reshape(M, n, n), args.hc_sinkhorn_iters,
                                args.hc_eps)
 
 
 def sinkhorn(B0, iters, eps):  # mhc.sinkhorn_ref
-    B = torch.softmax(B0, -1) + eps
+    B = f64(lambda b: torch.softmax(b, -1), B0) + eps
     B = B / (B.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         B = B / (B.sum(-1, keepdim=True) + eps)
@@ -561,25 +567,25 @@ def sinkhorn(B0, iters, eps):  # mhc.sinkhorn_ref
 
 
 def hc_pre(X, pre, rnd=no_round):  # mhc.hc_pre_ref
-    return rnd(torch.einsum("mn,mnd->md", pre, X))
+    return rnd(f64(lambda p, x: torch.einsum("mn,mnd->md", p, x), pre, X))
 
 
 def hc_post(X, y, post, comb, rnd=no_round):  # mhc.hc_post_ref
-    return rnd(post[:, :, None] * y[:, None, :] + torch.einsum("mij,mid->mjd", comb, X))
+    return rnd(post[:, :, None] * y[:, None, :] + f64(lambda c, x: torch.einsum("mij,mid->mjd", c, x), comb, X))
 
 
 def hc_head(X, fn, base, scale, args, official=False, *, kern=None):  # mhc.hc_head_ref
     M, n, d = X.shape
     x = X.float().reshape(M, n * d)
-    r = 1 / torch.sqrt((x * x).mean(-1, keepdim=True) + args.rms_norm_eps)
+    r = 1 / torch.sqrt(f64(lambda v: (v * v).mean(-1, keepdim=True), x) + args.rms_norm_eps)
     mu = quant_torch.matmul_f32(x, fn.T) * r if official else quant_torch.matmul_f32(x * r, fn.T)
-    pre = torch.sigmoid(scale[0] * mu + base) + args.hc_eps
+    pre = f64(torch.sigmoid, scale[0] * mu + base) + args.hc_eps
     return hc_pre(X, pre, partial(bf16_round, kern=kern) if official else no_round)
 
 
 def v4_norm(x, w, eps, rnd=no_round):  # compressor.rms_norm: x * rsqrt(mean(x²) + eps), weighted
     x = x.float()
-    y = x * (1 / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+    y = x * (1 / torch.sqrt(f64(lambda v: (v * v).mean(-1, keepdim=True), x) + eps))
     return rnd(y if w is None else w * y)
 
 
@@ -611,7 +617,7 @@ def compress(h, p, m, overlap, start_pos, freqs, eps, state, rnd=no_round, store
         state.prev = (last[..., :half], last[..., half:])
     else:
         kv, z = Cw, Zw
-    pooled = (torch.softmax(z, 2) * kv).sum(2)
+    pooled = f64(lambda z, kv: (torch.softmax(z, 2) * kv).sum(2), z, kv)
     w0 = state.keys.shape[1]
     cos, sin = (torch.from_numpy(a).to(h.device) for a in rope.rope_angles(freqs, m * (w0 + np.arange(k))))
     K = rnd(rope_tail(v4_norm(rnd(pooled), p["norm"], eps, rnd)[:, :, None], cos, sin)[:, :, 0])
@@ -640,8 +646,8 @@ def indexer_select_v4(x, qr, p, K_idx, start_pos, cos, sin, args, official=False
     else:
         q = index_fp4(bf16_round(q))
         w = bf16_round(bf16_round(quant_torch.matmul_f32(x, dequant(p["weights_proj"]).T)) * np.float32(J ** -0.5 * D ** -0.5))
-        qk = bf16_round(torch.einsum("btjd,bsd->btjs", q, K_idx))
-        I = bf16_round((bf16_round(qk.clamp_min(0) * w[..., None])).sum(2))
+        qk = bf16_round(f64(lambda a, b: torch.einsum("btjd,bsd->btjs", a, b), q, K_idx))
+        I = bf16_round(f64(lambda v: v.sum(2), bf16_round(qk.clamp_min(0) * w[..., None])))
     n = K_idx.shape[1]
     visible = torch.arange(n, device=x.device)[None, :] < ((start_pos + torch.arange(T, device=x.device) + 1) // 4)[:, None]
     masked = I.masked_fill(~visible[None], -float("inf"))
@@ -660,7 +666,7 @@ def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, offi
     qr = v4_norm(linear(x, p["wq_a"], official), p["q_norm"], eps, rnd)
     q = linear(qr, p["wq_b"], official).reshape(B, T, H, c)
     if official:                                        # attention_v4.rms_norm_bf16: every step in bf16
-        ms = bf16_round(bf16_round(q * q).mean(-1, keepdim=True))
+        ms = bf16_round(f64(lambda v: v.mean(-1, keepdim=True), bf16_round(q * q)))
         q = bf16_round(q * bf16_round(1 / torch.sqrt(bf16_round(ms + eps))))
     else:
         q = v4_norm(q, None, eps)
@@ -689,31 +695,32 @@ def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, offi
             cache.selected = comp                                                       # for --verify
         keys = torch.cat([keys, K], 1)
         allowed = torch.cat([allowed, comp], -1)
-    z = torch.einsum("bthc,bsc->bhts", q, keys) * np.float32(args.softmax_scale)
+    z = f64(lambda a, b: torch.einsum("bthc,bsc->bhts", a, b), q, keys) * np.float32(args.softmax_scale)
     z = z.masked_fill(~allowed[:, None], -float("inf"))
     sink = p["attn_sink"][:, None, None]
     if official:                                        # attention_v4.attention_ref(official=True)
         mx = z.amax(-1, keepdim=True)
         mx = torch.where(torch.isfinite(mx), mx, 0)
-        e = torch.exp(z - mx)
-        denom = e.double().sum(-1, keepdim=True).float() + torch.exp(sink - mx)
+        e = f64(torch.exp, z - mx)
+        denom = e.double().sum(-1, keepdim=True).float() + f64(torch.exp, sink - mx)
         o = torch.einsum("bhts,bsc->bhtc", bf16_round(e).double(), keys.double()).float()
         o = bf16_round(o / denom).transpose(1, 2)
     else:                                               # attention.softmax_ref(sink=)
         mx = torch.maximum(z.amax(-1, keepdim=True), sink)
-        e = torch.exp(z - mx)
-        o = torch.einsum("bhts,bsc->bthc", e / (e.sum(-1, keepdim=True) + torch.exp(sink - mx)), keys)
+        e = f64(torch.exp, z - mx)
+        o = torch.einsum("bhts,bsc->bthc", e / (e.sum(-1, keepdim=True) + f64(torch.exp, sink - mx)), keys)
     o = rnd(rope_tail(o, cos, -sin))
     g = args.o_groups
     og = o.reshape(B, T, g, -1)
     Wa = dequant(p["wo_a"]).reshape(g, -1, og.shape[-1])
-    zg = torch.einsum("btgk,gok->btgo", og, Wa).reshape(B, T, -1)
+    zg = f64(lambda a, b: torch.einsum("btgk,gok->btgo", a, b), og, Wa).reshape(B, T, -1)
     return linear(bf16_round(zg) if official else zg, p["wo_b"], official)
 
 
 def moe_v4(x, p, args, official, tokens, weight_inside=False):  # moe.moe_ref, V4's: hash routing, clamp, weight
-    logits = x.float() @ p["gate"].w.float().T
-    s = torch.sqrt(torch.nn.functional.softplus(logits)) if args.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
+    logits = quant_torch.matmul_f32(x.float(), p["gate"].w.float().T)
+    act = (lambda v: torch.sqrt(torch.nn.functional.softplus(v))) if args.scoring_func == "sqrtsoftplus" else torch.sigmoid
+    s = f64(act, logits)
     if "tid2eid" in p:
         idx = p["tid2eid"][tokens]
     else:
@@ -726,7 +733,7 @@ def moe_v4(x, p, args, official, tokens, weight_inside=False):  # moe.moe_ref, V
 
     def ffn(h, q, weight=None):  # moe.mlp_ref with the clamp
         a, b = linear(h, q["w1"], official).clamp(max=lim), linear(h, q["w3"], official).clamp(-lim, lim)
-        y = torch.nn.functional.silu(a) * b
+        y = f64(torch.nn.functional.silu, a) * b
         return linear(rnd(y if weight is None else y * weight[:, None]), q["w2"], official)
 
     y = torch.zeros(x.shape, device=x.device)
