@@ -33,9 +33,9 @@ def window_mask_ref(T, start_pos, pos, W):  # -> [T, S] bool: key at position po
 
 
 class V4LayerCache:
-    """One layer's caches, of a size that does not grow with the window: the keys of the last n_win
-    positions (a ring: position j in slot j mod n_win), and each compressor's state (the open window,
-    every key so far: one per m tokens; compressor.CompressorState)."""
+    """One layer's caches, growing by one key per m tokens of context, not one per token: the keys of the
+    last n_win positions (a ring: position j in slot j mod n_win), and each compressor's state (the open
+    window, every key so far; compressor.CompressorState)."""
 
     def __init__(self, B, args, kind, p, zeros=lambda shape: np.zeros(shape, np.float32)):  # zeros: the backend's
         self.ring = zeros((B, args.sliding_window, args.head_dim))
