@@ -460,3 +460,24 @@ def test_v4_interactive_never_rewinds(tiny_v4):
     generate.interactive(m, tok, a, np.random.default_rng(0), 1, read=lambda p: next(answers), out=io.StringIO())
     assert all(start in (0, cached) for start, cached in calls)
     assert sum(start == 0 for start, _ in calls) == 2                     # turn 2 started over
+
+
+def test_v4_interactive_tool_round_trip(tiny_v4):
+    # V4's chat: dsml4 tool calls parsed as they stream, the result asked for and fed back as a tool
+    # message, with a scripted stand-in for the model (the tiny one never writes a well-formed call)
+    import io
+    from types import SimpleNamespace
+    tok = generate.load_tokenizer(tiny_v4)
+    call = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_time">\n'
+            '<｜DSML｜parameter name="city" string="true">東京</｜DSML｜parameter>\n'
+            '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+    script = tok.encode(call, add_special_tokens=False).ids + [1] + tok.encode("It is 10:00.", add_special_tokens=False).ids + [1]
+    model = ScriptedModel(script)
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    a = SimpleNamespace(chat_format="dsml4", thinking=False, tool_list=tools, max_new_tokens=200, temperature=0)
+    answers = iter(["What time is it in Tokyo?", "10:00", "/exit"])
+    out = io.StringIO()
+    generate.interactive(model, tok, a, np.random.default_rng(0), 1, read=lambda p: next(answers), out=out)
+    text = out.getvalue()
+    assert '[tool call] {"name": "get_time", "arguments": {"city": "東京"}}' in text, text
+    assert "It is 10:00." in text
