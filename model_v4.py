@@ -157,6 +157,29 @@ def probe_experts(w, host_layers, ops, rows=2):
                         "the checkpoint's bytes (a layout mismatch between loader and kernel?)")
 
 
+def derive_weights(w, ops):
+    """The weights as the model reads them, made once at load on a new dict (the caller's stays as it
+    was), never inside a step: the fp32 head, and in float32 (the same values, no longer dequantized or
+    widened per call) W^OA (FP8), the compressors' W^KV and W^Z, the indexer's weights_proj and the
+    router (bf16)."""
+    def f32(W):
+        return quant.Weight(ops.to_f32(ops.dequant(W)), None)
+
+    def comp(c):
+        return dict(c, wkv=f32(c["wkv"]), wgate=f32(c["wgate"]))
+
+    layers = []
+    for lw in w["layers"]:
+        at = dict(lw["attn"], wo_a=f32(lw["attn"]["wo_a"]))
+        if "compressor" in at:
+            at["compressor"] = comp(at["compressor"])
+        if "indexer" in at:
+            at["indexer"] = dict(at["indexer"], weights_proj=f32(at["indexer"]["weights_proj"]),
+                                 compressor=comp(at["indexer"]["compressor"]))
+        layers.append(dict(lw, attn=at, ffn=dict(lw["ffn"], gate=f32(lw["ffn"]["gate"]))))
+    return dict(w, layers=layers, head_f32=ops.to_f32(w["head"]))
+
+
 def to_backend(w, ops):  # a nested weight dict -> the backend's arrays; the routed experts stay a list
     if isinstance(w, quant.Weight):
         return ops.weight(w)
@@ -180,7 +203,7 @@ class TransformerV4:
             raise ValueError(f"the {self.ops.name} op table does not run DeepSeek-V4")
         self.official = numerics == "official"
         self.args, self.path, self.numerics = args, ck_path, numerics
-        self.w = dict(weights, head_f32=self.ops.to_f32(weights["head"]))      # the fp32 head, made at load
+        self.w = derive_weights(weights, self.ops)
         self.attention = attention                          # dense: CSA layers attend every complete window
         self.indexer = "fp4" if self.official else "exact"  # Hadamard + FP4 keys and queries, or float32
         self.freqs = {False: args.freqs(False), True: args.freqs(True)}    # plain, and YaRN for compressed layers
