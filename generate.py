@@ -1,4 +1,4 @@
-"""Generate text from a DeepSeek-V3.2-Exp checkpoint (real layout, or the bundled tiny one).
+"""Generate text from a DeepSeek-V3.2-Exp or V4-Flash checkpoint (real layout, or the bundled tiny ones).
 
     python generate.py --ckpt DIR --prompt "Hello"            one prompt, streamed
     python generate.py --ckpt DIR --input-file prompts.txt    prompts split on blank lines, one batch
