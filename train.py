@@ -118,3 +118,167 @@ def indexer_kl_sparse(A, I, K):  # eq. (4): the KL over the selected keys S_t = 
     p = torch.where(sel, attention_target(A.detach()), 0)
     p = p / p.sum(-1, keepdim=True)
     return _kl(p, I, sel)
+
+
+# -----------------------------------------------------------------------------
+# The model in training: DeepSeek-V3.2-Exp's forward in float32 with autograd, its parameters under the
+# checkpoint's own (Hugging Face) names, so that export writes the layout model.py loads
+
+class TrainModel(torch.nn.Module):
+    """The exact-numerics forward of model.Transformer (embedding, MLA under DSA with the lightning
+    indexer, MoE, head) over a whole sequence from position 0, differentiable, also returning per layer
+    the main attention's probabilities summed over heads (eq. (3)'s target) and the index scores I."""
+
+    def __init__(self, cfg, seed=0):
+        import checkpoint
+        import config
+        import quant
+        import rope
+        super().__init__()
+        self.args = config.ModelArgs.from_config(cfg)
+        a = self.args
+        self.freqs = torch.from_numpy(rope.yarn_freqs(a.qk_rope_head_dim, a.rope_theta, a.max_seq_len, a.original_seq_len,
+                                                      a.rope_factor, a.rope_scaling.get("beta_fast", 32),
+                                                      a.rope_scaling.get("beta_slow", 1)))
+        drawn = checkpoint.random_weights(cfg, seed)                     # the bundled checkpoints' draw, in fp32
+        params = {}
+        for name, t in drawn.items():
+            if name.endswith("weight_scale_inv"):
+                continue
+            scale = drawn.get(name[:-len("weight")] + "weight_scale_inv") if name.endswith(".weight") else None
+            value = quant.weight_dequant(t, scale) if scale is not None else quant.decode(t)
+            params[name.replace(".", "__")] = torch.nn.Parameter(torch.from_numpy(value.astype("float32")))
+        self.p = torch.nn.ParameterDict(params)
+
+    def w(self, name):
+        return self.p[name.replace(".", "__")]
+
+    def forward(self, tokens, sparse=False, record=False, detach_indexer=False):  # tokens [B, T] -> logits [B, T, V] (and per layer A, I)
+        """detach_indexer (the sparse stage): the indexer's inputs cut from the graph, so its loss trains
+        it alone and the language-model loss does not reach it through the selection."""
+        import backend_torch as bt
+        import rope
+        a = self.args
+        B, T = tokens.shape
+        H, N, R, V, C = a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+        J, D, eps = a.index_n_heads, a.index_head_dim, a.rms_norm_eps
+        cos, sin = (torch.from_numpy(x) for x in rope.rope_angles(self.freqs.numpy(), range(T)))
+        causal_mask = torch.ones(T, T, dtype=torch.bool).tril()
+        h, seen = self.w("model.embed_tokens.weight")[tokens], []
+        for i in range(a.num_hidden_layers):
+            pre, at = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            x = bt.rms_norm(h, self.w(pre + "input_layernorm.weight"), eps, bt.no_round)
+            qr = bt.rms_norm(x @ self.w(at + "q_a_proj.weight").T, self.w(at + "q_a_layernorm.weight"), eps, bt.no_round)
+            q = (qr @ self.w(at + "q_b_proj.weight").T).view(B, T, H, N + R)
+            q_nope, q_pe = q[..., :N], bt.rope_interleaved(q[..., N:], cos, sin)             # MLA: rope last
+            kv = x @ self.w(at + "kv_a_proj_with_mqa.weight").T
+            c_kv = bt.rms_norm(kv[..., :C], self.w(at + "kv_a_layernorm.weight"), eps, bt.no_round)
+            k_pe = bt.rope_interleaved(kv[:, :, None, C:], cos, sin)[:, :, 0]               # [B, T, R]
+            kvb = (c_kv @ self.w(at + "kv_b_proj.weight").T).view(B, T, H, N + V)
+            # the lightning indexer, eq. (1), in exact numerics (no rotation, unit scales)
+            xi, qri = (x.detach(), qr.detach()) if detach_indexer else (x, qr)
+            qi = (qri @ self.w(at + "indexer.wq_b.weight").T).view(B, T, J, D)
+            qi = torch.cat([bt.rope_half_split(qi[..., :R], cos, sin), qi[..., R:]], -1)     # rope FIRST here
+            ki = bt.layer_norm(xi @ self.w(at + "indexer.wk.weight").T, self.w(at + "indexer.k_norm.weight"),
+                               self.w(at + "indexer.k_norm.bias"))
+            ki = torch.cat([bt.rope_half_split(ki[:, :, None, :R], cos, sin)[:, :, 0], ki[..., R:]], -1)
+            wi = (xi @ self.w(at + "indexer.weights_proj.weight").T) * (J ** -0.5 * D ** -0.5)
+            I = bt.index_scores(qi, wi, ki, torch.ones(B, T))                                 # [B, T, T]
+            allowed = causal_mask[None].expand(B, T, T)
+            if sparse:                                                                        # eq. (2)
+                allowed = bt.topk_select(I.detach(), a.index_topk, 0)
+            qq = torch.cat([q_nope, q_pe], -1).transpose(1, 2)                                # [B, H, T, N + R]
+            kk = torch.cat([kvb[..., :N], k_pe[:, :, None].expand(B, T, H, R)], -1).transpose(1, 2)
+            s = (qq @ kk.transpose(-1, -2)) * a.softmax_scale
+            p = torch.softmax(s.masked_fill(~allowed[:, None], -float("inf")), -1)           # [B, H, T, T]
+            o = (p @ kvb[..., N:].transpose(1, 2)).transpose(1, 2).reshape(B, T, H * V)
+            h = h + o @ self.w(at + "o_proj.weight").T
+            if record:
+                seen.append((p.transpose(1, 2), I))                                           # A [B, T, H, S], I
+            x = bt.rms_norm(h, self.w(pre + "post_attention_layernorm.weight"), eps, bt.no_round)
+            h = h + self._ffn(x.reshape(B * T, -1), i).view(B, T, -1)
+        h = bt.rms_norm(h, self.w("model.norm.weight"), eps, bt.no_round)
+        logits = h @ self.w("lm_head.weight").T
+        return (logits, seen) if record else logits
+
+    def _ffn(self, x, i):  # [M, d] -> [M, d]: the dense MLP, or the routed experts and the shared one
+        a, m = self.args, f"model.layers.{i}.mlp."
+
+        def mlp(prefix, y):
+            return (torch.nn.functional.silu(y @ self.w(prefix + "gate_proj.weight").T)
+                    * (y @ self.w(prefix + "up_proj.weight").T)) @ self.w(prefix + "down_proj.weight").T
+        if i < a.first_k_dense_replace:
+            return mlp(m, x)
+        import backend_torch as bt
+        bias = self.p[(m + "gate.e_score_correction_bias").replace(".", "__")].detach()
+        w, idx = bt.gate(x, self.w(m + "gate.weight"), bias, a)
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():                             # expert-id order, as the references
+            tok, slot = torch.nonzero(idx == e, as_tuple=True)
+            out = out.index_add(0, tok, mlp(m + f"experts.{e}.", x[tok]) * w[tok, slot, None])
+        return out + mlp(m + "shared_experts.", x)
+
+    def export(self, path, cfg, fp8=True):  # -> the checkpoint folder in the real layout (FP8 linears, bf16 rest)
+        import checkpoint
+        import quant
+        out = {}
+        for key, prm in self.p.items():
+            name, value = key.replace("__", "."), prm.detach().numpy()
+            if fp8 and value.ndim == 2 and not any(k in name for k in ("embed_tokens", "lm_head", "mlp.gate.",
+                                                                      "weights_proj")):
+                out[name], out[name.replace(".weight", ".weight_scale_inv")] = quant.weight_quant(value)
+            elif value.ndim == 2 or not fp8:
+                out[name] = quant.round_once(value.astype("float64"), quant.BF16)
+            else:
+                out[name] = value.astype("float32")                      # norms and biases: F32
+        return checkpoint.write_checkpoint(path, cfg, out)
+
+
+# -----------------------------------------------------------------------------
+# The stages: which parameters learn, from which loss
+
+STAGES = ("dense", "warmup", "sparse")
+
+
+def trainable(model, stage):  # -> the parameter names a stage trains
+    """dense: everything but the indexer (nothing asks anything of it yet); warmup: the indexer alone,
+    the rest frozen (eq. (3)); sparse: everything, the indexer by eq. (4) only (its inputs detached)."""
+    idx = {k for k in model.p if "__indexer__" in k}
+    bias = {k for k in model.p if k.endswith("e_score_correction_bias")}       # set by balancing, not by gradient
+    return idx if stage == "warmup" else (set(model.p) - bias - (idx if stage == "dense" else set()))
+
+
+def recall(A, I, K):  # the share of the main attention's mass (heads summed) on the indexer's top-k keys
+    T, S = I.shape[-2:]
+    c = causal(T, S, I.device)
+    order = torch.sort(-I.detach().masked_fill(~c, -float("inf")), dim=-1, stable=True).indices[..., :min(K, S)]
+    sel = torch.zeros(I.shape, dtype=torch.bool).scatter_(-1, order, True) & c
+    return float((attention_target(A.detach()) * sel).sum(-1).mean())
+
+
+def step_loss(model, tokens, stage):  # -> (loss to minimise, log: language-model loss, indexer KL, recall)
+    K = model.args.index_topk
+    logits, seen = model(tokens, sparse=stage == "sparse", record=True, detach_indexer=stage == "sparse")
+    lm = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    n = tokens.shape[0] * tokens.shape[1]
+    kl = sum((indexer_kl_sparse(A, I, K) if stage == "sparse" else indexer_kl_dense(A, I)) for A, I in seen) / n
+    log = {"lm": float(lm), "kl": float(kl), "recall": sum(recall(A, I, K) for A, I in seen) / len(seen)}
+    return (kl if stage == "warmup" else lm + (kl if stage == "sparse" else 0)), log
+
+
+def run_stage(model, batches, stage, lr=1e-3, progress=None):  # -> the log of every step
+    """One stage over `batches` ([B, T] token tensors), AdamW on the stage's parameters."""
+    names = trainable(model, stage)
+    for k, prm in model.p.items():
+        prm.requires_grad_(k in names)
+    opt = torch.optim.AdamW([model.p[k] for k in sorted(names)], lr=lr, weight_decay=0.0)
+    logs = []
+    for i, tokens in enumerate(batches):
+        loss, log = step_loss(model, tokens, stage)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        logs.append(log)
+        if progress:
+            progress(stage, i + 1, len(batches), log)
+    return logs

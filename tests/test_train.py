@@ -61,3 +61,61 @@ def test_tokenizer_holds_the_special_tokens():
     assert [tok.id_to_token(i) for i in (ids[0], ids[1], ids[-1])] == [chat.BOS, chat.USER, chat.EOS]
     assert tok.decode(tok.encode("def fibonacci(n):\n    return n\n").ids) == "def fibonacci(n):\n    return n\n"
     assert tok.get_vocab_size() <= 600
+
+
+def test_the_training_forward_is_the_models_exact_forward(tmp_path):
+    # the same weights (bf16 values, exported unquantized) through TrainModel and model.Transformer in
+    # exact numerics: the logits agree, dense and sparse (the indexer picking 8 of up to 20 keys)
+    import checkpoint
+    import quant
+    from model import Transformer
+    cfg = checkpoint.tiny_config(vocab_size=512, num_hidden_layers=2, index_topk=8, max_position_embeddings=64)
+    m = train.TrainModel(cfg, seed=3)
+    with torch.no_grad():
+        for prm in m.p.values():                                         # bf16 values: exported exactly
+            prm.copy_(torch.from_numpy(quant.bf16_round(prm.numpy())))
+    m.export(tmp_path / "c", cfg, fp8=False)
+    tokens = np.random.default_rng(0).integers(0, 512, (2, 20))
+    for sparse in (False, True):
+        ref_s = Transformer.from_pretrained(tmp_path / "c", numerics="exact", attention="sparse" if sparse else "dense")
+        want = ref_s.forward(tokens, all_positions=True)
+        got = m(torch.from_numpy(tokens), sparse=sparse).detach().numpy()
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), sparse
+
+
+def test_the_warm_up_converges_on_a_toy():
+    # eq. (3) alone, the main model frozen: the indexer learns the attention it imitates (KL falls, the
+    # share of the attention mass its top-k keeps rises) and nothing else moves
+    import checkpoint
+    cfg = checkpoint.tiny_config(vocab_size=256, num_hidden_layers=1, first_k_dense_replace=1, index_topk=4,
+                                 index_n_heads=4, max_position_embeddings=64)
+    m = train.TrainModel(cfg, seed=1)
+    frozen = {k: v.detach().clone() for k, v in m.p.items() if "__indexer__" not in k}
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (2, 24), generator=g) for _ in range(4)] * 15
+    logs = train.run_stage(m, batches, "warmup", lr=3e-3)
+    first, last = logs[:4], logs[-4:]
+    assert sum(x["kl"] for x in last) < 0.7 * sum(x["kl"] for x in first)
+    assert sum(x["recall"] for x in last) > sum(x["recall"] for x in first)
+    assert all(torch.equal(m.p[k], v) for k, v in frozen.items())
+
+
+def test_the_other_stages_step():
+    # dense: the language-model loss falls on a repeated batch; sparse: the indexer's KL (eq. (4)) trains
+    # the indexer alone, its inputs detached, so no gradient of it reaches the main model
+    import checkpoint
+    cfg = checkpoint.tiny_config(vocab_size=256, num_hidden_layers=2, index_topk=4, max_position_embeddings=64)
+    m = train.TrainModel(cfg, seed=2)
+    batch = [torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))] * 12
+    logs = train.run_stage(m, batch, "dense", lr=3e-3)
+    assert logs[-1]["lm"] < logs[0]["lm"]
+    for prm in m.p.values():
+        prm.requires_grad_(True)
+        prm.grad = None
+    _, seen = m(batch[0], sparse=True, record=True, detach_indexer=True)
+    kl = sum(train.indexer_kl_sparse(A, I, 4) for A, I in seen)
+    kl.backward()
+    got = {k for k, prm in m.p.items() if prm.grad is not None and prm.grad.any()}
+    assert got and all("__indexer__" in k for k in got)
+    loss, log = train.step_loss(m, batch[0], "sparse")
+    assert torch.isfinite(loss) and 0 < log["recall"] <= 1
