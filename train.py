@@ -262,6 +262,9 @@ def step_loss(model, tokens, stage):  # -> (loss to minimise, log: language-mode
     lm = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     n = tokens.shape[0] * tokens.shape[1]
     kl = sum((indexer_kl_sparse(A, I, K) if stage == "sparse" else indexer_kl_dense(A, I)) for A, I in seen) / n
+    if stage == "sparse":                               # recall against the dense attention, not the sparse one
+        with torch.no_grad():                           # (whose mass lies on the selected keys by construction)
+            seen = model(tokens, record=True)[1]
     log = {"lm": float(lm), "kl": float(kl), "recall": sum(recall(A, I, K) for A, I in seen) / len(seen)}
     return (kl if stage == "warmup" else lm + (kl if stage == "sparse" else 0)), log
 
@@ -282,3 +285,73 @@ def run_stage(model, batches, stage, lr=1e-3, progress=None):  # -> the log of e
         if progress:
             progress(stage, i + 1, len(batches), log)
     return logs
+
+
+# -----------------------------------------------------------------------------
+# The recipe: data -> tokenizer -> the three stages -> a checkpoint in the real layout
+
+def token_batches(ids, n, B, T, seed):  # n batches of B windows of T tokens from one token stream, seeded
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.as_tensor(ids)
+    starts = torch.randint(0, len(ids) - T, (n, B), generator=g)
+    return [torch.stack([ids[s:s + T] for s in row.tolist()]) for row in starts]
+
+
+def corpus_ids(tok, texts, seed, retrieval_share=0.1, distance=2000):  # -> one token stream: files and retrieval
+    rng = random.Random(seed)
+    eos = tok.token_to_id(chat.EOS)
+    ids, k = [], 0
+    for text in texts:
+        ids += tok.encode(text).ids + [eos]
+        while rng.random() < retrieval_share:                            # synthetic sequences mixed in
+            ids += tok.encode(retrieval_sequence(seed * 1_000_003 + k, distance)[0]).ids + [eos]
+            k += 1
+    return ids
+
+
+def main(argv=None):
+    import argparse
+    import json
+    import sys
+    import time
+    import checkpoint
+    ap = argparse.ArgumentParser(description="Train a small DeepSeek-V3.2-Exp-architecture model in the paper's "
+                                             "three stages and write it in the real checkpoint layout.")
+    ap.add_argument("--out", required=True, help="folder to write (new, empty, or one this project wrote)")
+    ap.add_argument("--steps", type=int, nargs=3, default=[2000, 300, 1000], metavar=("DENSE", "WARMUP", "SPARSE"))
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=512, help="tokens per sequence (above index_topk: sparse selects)")
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--files", type=int, default=None, help="use only the first N training files (toy runs)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    a = ap.parse_args(argv)
+    checkpoint.check_replaceable(Path(a.out))
+    t0 = time.time()
+    files = stdlib_files()[:a.files]
+    texts = read_text(files)
+    tok = train_tokenizer(texts, a.vocab)
+    ids = corpus_ids(tok, texts, a.seed)
+    print(f"data: {len(files)} files, {len(ids):,} tokens, vocabulary {tok.get_vocab_size()}", file=sys.stderr)
+    cfg = checkpoint.tiny_config(vocab_size=tok.get_vocab_size(), max_position_embeddings=max(1024, 2 * a.seq),
+                                 bos_token_id=tok.token_to_id(chat.BOS), eos_token_id=tok.token_to_id(chat.EOS))
+    model = TrainModel(cfg, a.seed).to(a.device)
+    log = {}
+
+    def progress(stage, i, n, entry):
+        if i == n or i % max(1, n // 20) == 0:
+            print(f"{stage:>6} {i:5d}/{n}  lm {entry['lm']:.3f}  kl {entry['kl']:.4f}  recall {entry['recall']:.3f}",
+                  file=sys.stderr, flush=True)
+    for stage, n in zip(STAGES, a.steps):
+        batches = [b.to(a.device) for b in token_batches(ids, n, a.batch, a.seq, a.seed + len(log))]
+        log[stage] = run_stage(model, batches, stage, a.lr, progress)
+    out = model.cpu().export(Path(a.out), cfg)
+    (out / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+    (out / "train_log.json").write_text(json.dumps({"args": vars(a), "seconds": time.time() - t0, "log": log}))
+    print(f"wrote {out} in {time.time() - t0:.0f} s", file=sys.stderr)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -119,3 +119,18 @@ def test_the_other_stages_step():
     assert got and all("__indexer__" in k for k in got)
     loss, log = train.step_loss(m, batch[0], "sparse")
     assert torch.isfinite(loss) and 0 < log["recall"] <= 1
+
+
+def test_the_recipe_end_to_end_on_a_toy(tmp_path):
+    # train.py's command on a toy budget: data, tokenizer, the three stages, the export; the result
+    # loads through the model's own loader and generates through generate.py
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = train.main(["--out", str(tmp_path / "m"), "--steps", "2", "2", "2", "--batch", "2", "--seq", "48",
+                      "--vocab", "400", "--files", "3"])
+    assert (out / "tokenizer.json").is_file() and (out / "train_log.json").is_file()
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "generate.py"), "--ckpt", str(out), "--prompt", "def f(x):", "--raw",
+                        "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr
