@@ -150,6 +150,20 @@ class TrainModel(torch.nn.Module):
             params[name.replace(".", "__")] = torch.nn.Parameter(torch.from_numpy(value.astype("float32")))
         self.p = torch.nn.ParameterDict(params)
 
+    @classmethod
+    def from_checkpoint(cls, path):  # a checkpoint this model exported (or any in the layout) -> its weights, fp32
+        import checkpoint
+        import json
+        import quant
+        ck = checkpoint.Checkpoint(path)
+        m = cls(json.loads((Path(path) / "config.json").read_text()))
+        with torch.no_grad():
+            for key, prm in m.p.items():
+                name = key.replace("__", ".")
+                W = ck.weight(name[:-len(".weight")]) if name.endswith(".weight") else quant.Weight(ck.get(name), None)
+                prm.copy_(torch.tensor(W.dequant()))
+        return m
+
     def w(self, name):
         return self.p[name.replace(".", "__")]
 
@@ -355,3 +369,46 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+# -----------------------------------------------------------------------------
+# Evaluation: held-out bits per byte, dense and sparse, beside bzip2; retrieval accuracy against distance
+
+def bits_per_byte(model, tok, texts, T, sparse, max_windows=64):  # -> bits per byte of text on held-out windows
+    """Windows of T tokens of each text (up to max_windows in all): the next-token cross-entropy of every
+    position after the first, in bits, divided by the UTF-8 bytes those tokens spell."""
+    import math
+    bits, nbytes, seen = 0.0, 0, 0
+    for text in texts:
+        ids = tok.encode(text).ids
+        for s in range(0, len(ids) - T, T):
+            if seen == max_windows:
+                return bits / nbytes
+            w = torch.tensor([ids[s:s + T]])
+            with torch.no_grad():
+                logits = model(w, sparse=sparse)
+            ce = torch.nn.functional.cross_entropy(logits[0, :-1], w[0, 1:], reduction="sum")
+            bits += float(ce) / math.log(2)
+            nbytes += len(tok.decode(ids[s + 1:s + T]).encode("utf-8"))
+            seen += 1
+    return bits / max(nbytes, 1)
+
+
+def bzip2_bits_per_byte(texts):  # the same held-out text through bzip2 (level 9)
+    import bz2
+    raw = "".join(texts).encode("utf-8")
+    return 8 * len(bz2.compress(raw, 9)) / len(raw)
+
+
+def retrieval_accuracy(model, tok, distance, n, sparse, seed=10_000):  # share of fresh sequences answered right
+    """Greedy continuation after 'print(key)  # ': right iff it spells the bound value's digits."""
+    right = 0
+    for k in range(n):
+        text, key, value = retrieval_sequence(seed + k, distance)
+        prompt = tok.encode(text[:-len(value) - 1]).ids
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(len(tok.encode(value).ids)):
+                ids.append(int(model(torch.tensor([ids]), sparse=sparse)[0, -1].argmax()))
+        right += tok.decode(ids[len(prompt):]).strip().startswith(value)
+    return right / n

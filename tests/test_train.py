@@ -134,3 +134,29 @@ def test_the_recipe_end_to_end_on_a_toy(tmp_path):
     r = subprocess.run([sys.executable, str(root / "generate.py"), "--ckpt", str(out), "--prompt", "def f(x):", "--raw",
                         "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr
+
+
+def test_evaluation_measures():
+    # bits per byte: an untrained model is near log2(vocabulary) per token, worse than bzip2; bzip2's own
+    # figure against the bytes it compresses; retrieval accuracy is a share
+    import checkpoint
+    texts = train.read_text(train.stdlib_files(held_out=True)[:2])
+    tok = train.train_tokenizer(texts, 400)
+    m = train.TrainModel(checkpoint.tiny_config(vocab_size=tok.get_vocab_size(), num_hidden_layers=1,
+                                                max_position_embeddings=128), seed=0)
+    dense = train.bits_per_byte(m, tok, texts, 32, False, max_windows=4)
+    sparse = train.bits_per_byte(m, tok, texts, 32, True, max_windows=4)
+    bz = train.bzip2_bits_per_byte(texts)
+    assert 0.5 < bz < 4 and dense > bz and sparse > bz
+    assert 0 <= train.retrieval_accuracy(m, tok, 100, 2, True) <= 1
+
+
+def test_a_checkpoint_reads_back(tmp_path):
+    import checkpoint
+    cfg = checkpoint.tiny_config(vocab_size=256, num_hidden_layers=2, max_position_embeddings=64)
+    m = train.TrainModel(cfg, seed=4)
+    back = train.TrainModel.from_checkpoint(m.export(tmp_path / "c", cfg))     # FP8: the quantised values
+    tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    a, b = m(tokens).detach(), back(tokens).detach()
+    assert float((a - b).abs().max() / a.abs().max()) < 0.1                   # FP8's rounding, not a mix-up
+    assert all(torch.equal(back.p[k], train.TrainModel.from_checkpoint(tmp_path / "c").p[k]) for k in back.p)
