@@ -1,8 +1,13 @@
 """Training a small model of DeepSeek-V3.2-Exp's architecture from scratch, in the paper's stages
 (V3.2-Exp paper §2.1): dense pre-training; a dense warm-up of the lightning indexer alone, eq. (3);
-sparse training with top-k selection, eq. (4) for the indexer. Issue 21, first step: the data every
-machine holds, the tokenizer, and the indexer's two objectives in torch (the NumPy references are
-indexer.indexer_kl_dense / indexer_kl_sparse). The model, the stages and the shipped checkpoint follow.
+sparse training with top-k selection, eq. (4) for the indexer; then the model written in the real
+checkpoint layout, so the loader, both numerics, --verify and the GPU kernels apply to it.
+
+    python train.py --out DIR [--steps DENSE WARMUP SPARSE] [--batch B] [--seq T] [--device cuda]
+
+TrainModel is model.Transformer's exact forward with autograd (tested equal on its export); the
+indexer's objectives are the NumPy references' (indexer.indexer_kl_dense / indexer_kl_sparse) in torch.
+Issue 21 is in progress: the real run, the shipped checkpoint and the teaching views are still to come.
 
     eq. (3)  L^I = sum_t KL(p_{t,:} || Softmax(I_{t,:}))        p_t: the main attention, heads summed,
                                                                 L1-normalised, over the causal keys
