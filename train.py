@@ -154,6 +154,7 @@ class TrainModel(torch.nn.Module):
             value = quant.weight_dequant(t, scale) if scale is not None else quant.decode(t)
             params[name.replace(".", "__")] = torch.nn.Parameter(torch.from_numpy(value.astype("float32")))
         self.p = torch.nn.ParameterDict(params)
+        self.loads = {}                                                  # MoE layer -> tokens per expert, last step
 
     @classmethod
     def from_checkpoint(cls, path):  # a checkpoint this model exported (or any in the layout) -> its weights, fp32
@@ -171,6 +172,14 @@ class TrainModel(torch.nn.Module):
 
     def w(self, name):
         return self.p[name.replace(".", "__")]
+
+    def balance(self, gamma):  # DeepSeek-V3 §2.1.2: auxiliary-loss-free load balancing of the router bias
+        """After a step: b_i += gamma if expert i took fewer tokens than the mean, -= gamma if more (the
+        bias only chooses experts; it never weights them)."""
+        with torch.no_grad():
+            for i, load in self.loads.items():
+                b = self.p[f"model__layers__{i}__mlp__gate__e_score_correction_bias"]
+                b += gamma * torch.sign(load.float().mean() - load.float())
 
     def forward(self, tokens, sparse=False, record=False, detach_indexer=False):  # tokens [B, T] -> logits [B, T, V] (and per layer A, I)
         """detach_indexer (the sparse stage): the indexer's inputs cut from the graph, so its loss trains
@@ -231,6 +240,7 @@ class TrainModel(torch.nn.Module):
         import backend_torch as bt
         bias = self.p[(m + "gate.e_score_correction_bias").replace(".", "__")].detach()
         w, idx = bt.gate(x, self.w(m + "gate.weight"), bias, a)
+        self.loads[i] = torch.bincount(idx.reshape(-1), minlength=a.n_routed_experts)   # for balance()
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():                             # expert-id order, as the references
             tok, slot = torch.nonzero(idx == e, as_tuple=True)
@@ -288,8 +298,9 @@ def step_loss(model, tokens, stage):  # -> (loss to minimise, log: language-mode
     return (kl if stage == "warmup" else lm + (kl if stage == "sparse" else 0)), log
 
 
-def run_stage(model, batches, stage, lr=1e-3, progress=None):  # -> the log of every step
-    """One stage over `batches` ([B, T] token tensors), AdamW on the stage's parameters."""
+def run_stage(model, batches, stage, lr=1e-3, progress=None, gamma=1e-3):  # -> the log of every step
+    """One stage over `batches` ([B, T] token tensors), AdamW on the stage's parameters; the router bias
+    balanced after each step of the stages that train the experts (gamma: its step, DeepSeek-V3's 0.001)."""
     names = trainable(model, stage)
     for k, prm in model.p.items():
         prm.requires_grad_(k in names)
@@ -300,6 +311,8 @@ def run_stage(model, batches, stage, lr=1e-3, progress=None):  # -> the log of e
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if stage != "warmup":
+            model.balance(gamma)
         logs.append(log)
         if progress:
             progress(stage, i + 1, len(batches), log)
@@ -336,7 +349,10 @@ def main(argv=None):
     import checkpoint
     ap = argparse.ArgumentParser(description="Train a small DeepSeek-V3.2-Exp-architecture model in the paper's "
                                              "three stages and write it in the real checkpoint layout.")
-    ap.add_argument("--out", required=True, help="folder to write (new, empty, or one this project wrote)")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--out", help="train, and write the checkpoint to this folder (new, empty, or one we wrote)")
+    what.add_argument("--evaluate", metavar="CKPT", help="evaluate a checkpoint this wrote: held-out bits per byte "
+                                                         "(dense, sparse, bzip2) and retrieval accuracy")
     ap.add_argument("--steps", type=int, nargs=3, default=[2000, 300, 1000], metavar=("DENSE", "WARMUP", "SPARSE"))
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512, help="tokens per sequence (above index_topk: sparse selects)")
@@ -346,6 +362,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
+    if a.evaluate:
+        return evaluate(a.evaluate, contexts=(32, 64, a.seq), distances=(100, 400), n=8, files=a.files or 20)
     checkpoint.check_replaceable(Path(a.out))
     t0 = time.time()
     files = stdlib_files()[:a.files]
@@ -372,8 +390,24 @@ def main(argv=None):
     return out
 
 
-if __name__ == "__main__":
-    main()
+def evaluate(ckpt, contexts, distances, n, files):  # -> the rows printed: the issue's table for one checkpoint
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json"))
+    model = TrainModel.from_checkpoint(ckpt)
+    held = read_text(stdlib_files(held_out=True))[:files]
+    bz = bzip2_bits_per_byte(held)
+    rows = [("bzip2 -9, bits per byte (the same bytes)", bz, bz)]
+    for T in contexts:
+        rows.append((f"bits per byte at {T} tokens (dense, sparse)", bits_per_byte(model, tok, held, T, False),
+                     bits_per_byte(model, tok, held, T, True)))
+    for dist in distances:
+        rows.append((f"retrieval accuracy at {dist} characters (dense, sparse)",
+                     retrieval_accuracy(model, tok, dist, n, False), retrieval_accuracy(model, tok, dist, n, True)))
+    print(f"{ckpt}: index_topk {model.args.index_topk}, {files} held-out files")
+    for name, dense, sparse in rows:
+        print(f"{name:55s} {dense:8.3f} {sparse:8.3f}")
+    return rows
+
 
 
 # -----------------------------------------------------------------------------
@@ -417,3 +451,7 @@ def retrieval_accuracy(model, tok, distance, n, sparse, seed=10_000):  # share o
                 ids.append(int(model(torch.tensor([ids]), sparse=sparse)[0, -1].argmax()))
         right += tok.decode(ids[len(prompt):]).strip().startswith(value)
     return right / n
+
+
+if __name__ == "__main__":
+    main()

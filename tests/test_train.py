@@ -134,6 +134,9 @@ def test_the_recipe_end_to_end_on_a_toy(tmp_path):
     r = subprocess.run([sys.executable, str(root / "generate.py"), "--ckpt", str(out), "--prompt", "def f(x):", "--raw",
                         "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr
+    rows = train.main(["--evaluate", str(out), "--files", "2", "--seq", "40"])     # the evaluation's table
+    assert [name.split(" at ")[0] for name, *_ in rows][:2] == ["bzip2 -9, bits per byte (the same bytes)", "bits per byte"]
+    assert all(0 <= dense and 0 <= sparse for _, dense, sparse in rows)
 
 
 def test_evaluation_measures():
@@ -160,3 +163,22 @@ def test_a_checkpoint_reads_back(tmp_path):
     a, b = m(tokens).detach(), back(tokens).detach()
     assert float((a - b).abs().max() / a.abs().max()) < 0.1                   # FP8's rounding, not a mix-up
     assert all(torch.equal(back.p[k], train.TrainModel.from_checkpoint(tmp_path / "c").p[k]) for k in back.p)
+
+
+def test_the_router_bias_balances_the_load():
+    # DeepSeek-V3's auxiliary-loss-free rule: an expert overloaded by its bias loses tokens step by step
+    import checkpoint
+    cfg = checkpoint.tiny_config(vocab_size=256, num_hidden_layers=2, max_position_embeddings=64)
+    m = train.TrainModel(cfg, seed=5)
+    key = "model__layers__1__mlp__gate__e_score_correction_bias"
+    with torch.no_grad():
+        m.p[key].zero_()
+        m.p[key][0] = 1.0                                               # expert 0 chosen by every token
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))
+    loads = []
+    for _ in range(60):
+        with torch.no_grad():
+            m(tokens)
+        loads.append(int(m.loads[1].max()))
+        m.balance(0.05)
+    assert loads[0] >= 60 and loads[-1] < 40                            # of 64 tokens: nearly all on expert 0 at first
