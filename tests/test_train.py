@@ -182,3 +182,17 @@ def test_the_router_bias_balances_the_load():
         loads.append(int(m.loads[1].max()))
         m.balance(0.05)
     assert loads[0] >= 60 and loads[-1] < 40                            # of 64 tokens: nearly all on expert 0 at first
+
+
+def test_bits_per_byte_of_a_uniform_model():
+    # a model that predicts every token with probability 1/V costs log2(V) bits per predicted token,
+    # so the figure is that times the tokens predicted, over the bytes those tokens spell
+    import math
+    texts = train.read_text(train.stdlib_files(held_out=True)[:1])
+    tok = train.train_tokenizer(texts, 300)
+    V = tok.get_vocab_size()
+    uniform = lambda w, sparse=False: torch.zeros(w.shape[0], w.shape[1], V)   # noqa: E731
+    T, ids = 16, tok.encode(texts[0]).ids
+    starts = list(range(0, len(ids) - T, T))[:3]
+    want = 3 * (T - 1) * math.log2(V) / sum(len(tok.decode(ids[s + 1:s + T]).encode()) for s in starts)
+    assert abs(train.bits_per_byte(uniform, tok, texts[:1], T, False, max_windows=3) - want) <= 1e-6 * want   # fp32 cross-entropy
