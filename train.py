@@ -173,6 +173,10 @@ class TrainModel(torch.nn.Module):
     def w(self, name):
         return self.p[name.replace(".", "__")]
 
+    @property
+    def device(self):
+        return self.p["model__embed_tokens__weight"].device
+
     def balance(self, gamma):  # DeepSeek-V3 §2.1.2: auxiliary-loss-free load balancing of the router bias
         """After a step: b_i += gamma if expert i took fewer tokens than the mean, -= gamma if more (the
         bias only chooses experts; it never weights them)."""
@@ -190,8 +194,9 @@ class TrainModel(torch.nn.Module):
         B, T = tokens.shape
         H, N, R, V, C = a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
         J, D, eps = a.index_n_heads, a.index_head_dim, a.rms_norm_eps
-        cos, sin = (torch.from_numpy(x) for x in rope.rope_angles(self.freqs.numpy(), range(T)))
-        causal_mask = torch.ones(T, T, dtype=torch.bool).tril()
+        dev = tokens.device
+        cos, sin = (torch.from_numpy(x).to(dev) for x in rope.rope_angles(self.freqs.numpy(), range(T)))
+        causal_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         h, seen = self.w("model.embed_tokens.weight")[tokens], []
         for i in range(a.num_hidden_layers):
             pre, at = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
@@ -211,7 +216,7 @@ class TrainModel(torch.nn.Module):
                                self.w(at + "indexer.k_norm.bias"))
             ki = torch.cat([bt.rope_half_split(ki[:, :, None, :R], cos, sin)[:, :, 0], ki[..., R:]], -1)
             wi = (xi @ self.w(at + "indexer.weights_proj.weight").T) * (J ** -0.5 * D ** -0.5)
-            I = bt.index_scores(qi, wi, ki, torch.ones(B, T))                                 # [B, T, T]
+            I = bt.index_scores(qi, wi, ki, torch.ones(B, T, device=dev))                     # [B, T, T]
             allowed = causal_mask[None].expand(B, T, T)
             if sparse:                                                                        # eq. (2)
                 allowed = bt.topk_select(I.detach(), a.index_topk, 0)
@@ -281,7 +286,7 @@ def recall(A, I, K):  # the share of the main attention's mass (heads summed) on
     T, S = I.shape[-2:]
     c = causal(T, S, I.device)
     order = torch.sort(-I.detach().masked_fill(~c, -float("inf")), dim=-1, stable=True).indices[..., :min(K, S)]
-    sel = torch.zeros(I.shape, dtype=torch.bool).scatter_(-1, order, True) & c
+    sel = torch.zeros(I.shape, dtype=torch.bool, device=I.device).scatter_(-1, order, True) & c
     return float((attention_target(A.detach()) * sel).sum(-1).mean())
 
 
@@ -294,22 +299,34 @@ def step_loss(model, tokens, stage):  # -> (loss to minimise, log: language-mode
     if stage == "sparse":                               # recall against the dense attention, not the sparse one
         with torch.no_grad():                           # (whose mass lies on the selected keys by construction)
             seen = model(tokens, record=True)[1]
-    log = {"lm": float(lm), "kl": float(kl), "recall": sum(recall(A, I, K) for A, I in seen) / len(seen)}
+    log = {"lm": float(lm.detach()), "kl": float(kl.detach()), "recall": sum(recall(A, I, K) for A, I in seen) / len(seen)}
     return (kl if stage == "warmup" else lm + (kl if stage == "sparse" else 0)), log
 
 
+def learning_rate(lr, i, n, warm=50):  # step i of n: linear warm-up over `warm` steps, then cosine to lr / 10
+    import math
+    if i < warm:
+        return lr * (i + 1) / warm
+    return lr * (0.55 + 0.45 * math.cos(math.pi * (i - warm) / max(1, n - warm)))
+
+
 def run_stage(model, batches, stage, lr=1e-3, progress=None, gamma=1e-3):  # -> the log of every step
-    """One stage over `batches` ([B, T] token tensors), AdamW on the stage's parameters; the router bias
-    balanced after each step of the stages that train the experts (gamma: its step, DeepSeek-V3's 0.001)."""
+    """One stage over `batches` ([B, T] token tensors), AdamW on the stage's parameters (warm-up, cosine
+    decay, gradients clipped to norm 1); the router bias balanced after each step of the stages that train
+    the experts (gamma: its step, DeepSeek-V3's 0.001)."""
     names = trainable(model, stage)
     for k, prm in model.p.items():
         prm.requires_grad_(k in names)
-    opt = torch.optim.AdamW([model.p[k] for k in sorted(names)], lr=lr, weight_decay=0.0)
+    params = [model.p[k] for k in sorted(names)]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     logs = []
     for i, tokens in enumerate(batches):
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(lr, i, len(batches))
         loss, log = step_loss(model, tokens, stage)
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if stage != "warmup":
             model.balance(gamma)
@@ -329,16 +346,32 @@ def token_batches(ids, n, B, T, seed):  # n batches of B windows of T tokens fro
     return [torch.stack([ids[s:s + T] for s in row.tolist()]) for row in starts]
 
 
-def corpus_ids(tok, texts, seed, retrieval_share=0.1, distance=2000):  # -> one token stream: files and retrieval
+def corpus_ids(tok, texts, seed, retrieval_share=0.1, distances=(100, 1200)):  # -> one token stream
+    """The files, each closed by EOS, with retrieval sequences mixed in between them until they make
+    `retrieval_share` of the tokens; each sequence's distance (characters) drawn from `distances`, so
+    that most fit a training window while reaching well beyond the top-k."""
     rng = random.Random(seed)
     eos = tok.token_to_id(chat.EOS)
-    ids, k = [], 0
-    for text in texts:
-        ids += tok.encode(text).ids + [eos]
-        while rng.random() < retrieval_share:                            # synthetic sequences mixed in
-            ids += tok.encode(retrieval_sequence(seed * 1_000_003 + k, distance)[0]).ids + [eos]
-            k += 1
+    ids, extra, k = [], 0, 0
+    for enc in tok.encode_batch(texts):
+        ids += enc.ids + [eos]
+        while extra < retrieval_share * len(ids):                        # synthetic sequences mixed in
+            seq = tok.encode(retrieval_sequence(seed * 1_000_003 + k, rng.randint(*distances))[0]).ids + [eos]
+            ids += seq
+            extra, k = extra + len(seq), k + 1
     return ids
+
+
+def small_config(vocab_size, seq, **overrides):  # the shipped model's config: tiny-v32's shapes, 4 layers, top-64
+    """hidden 256, 4 heads of MLA (ranks 128), the indexer's 16 heads of 128, 8 routed experts (2 a token, in
+    4 groups) and a shared one, the first layer dense; index_topk 64 (an eighth of the training window); YaRN
+    off within the training window (original = seq), factor 4 beyond it."""
+    import checkpoint
+    cfg = checkpoint.tiny_config(vocab_size=vocab_size, num_hidden_layers=4, index_topk=64,
+                                 max_position_embeddings=4 * seq)
+    cfg["rope_scaling"] = dict(cfg["rope_scaling"], factor=4.0, original_max_position_embeddings=seq)
+    cfg.update(overrides)
+    return cfg
 
 
 def main(argv=None):
@@ -353,54 +386,74 @@ def main(argv=None):
     what.add_argument("--out", help="train, and write the checkpoint to this folder (new, empty, or one we wrote)")
     what.add_argument("--evaluate", metavar="CKPT", help="evaluate a checkpoint this wrote: held-out bits per byte "
                                                          "(dense, sparse, bzip2) and retrieval accuracy")
-    ap.add_argument("--steps", type=int, nargs=3, default=[2000, 300, 1000], metavar=("DENSE", "WARMUP", "SPARSE"))
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, nargs=3, default=[3000, 400, 1200], metavar=("DENSE", "WARMUP", "SPARSE"))
+    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=512, help="tokens per sequence (above index_topk: sparse selects)")
+    ap.add_argument("--topk", type=int, default=64, help="index_topk: the keys each query attends in sparse mode")
     ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--files", type=int, default=None, help="use only the first N training files (toy runs)")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--files", type=int, default=None, help="use only the first N files (toy runs, the evaluation)")
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--samples", type=int, default=32, help="--evaluate: retrieval sequences per distance")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, ... (a GPU trains with TF32 matrix products)")
     a = ap.parse_args(argv)
     if a.evaluate:
-        return evaluate(a.evaluate, contexts=(32, 64, a.seq), distances=(100, 400), n=8, files=a.files or 20)
+        return evaluate(a.evaluate, n=a.samples, files=a.files or 40)
+    if min(a.steps) < 1 or a.batch < 1 or a.seq < 2 or a.topk < 1:
+        ap.error("--steps, --batch, --seq and --topk must be positive (--seq at least 2)")
     checkpoint.check_replaceable(Path(a.out))
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     t0 = time.time()
     files = stdlib_files()[:a.files]
     texts = read_text(files)
     tok = train_tokenizer(texts, a.vocab)
     ids = corpus_ids(tok, texts, a.seed)
-    print(f"data: {len(files)} files, {len(ids):,} tokens, vocabulary {tok.get_vocab_size()}", file=sys.stderr)
-    cfg = checkpoint.tiny_config(vocab_size=tok.get_vocab_size(), max_position_embeddings=max(1024, 2 * a.seq),
-                                 bos_token_id=tok.token_to_id(chat.BOS), eos_token_id=tok.token_to_id(chat.EOS))
+    print(f"data: {len(files)} files, {len(ids):,} tokens, vocabulary {tok.get_vocab_size()} "
+          f"({time.time() - t0:.0f} s)", file=sys.stderr)
+    cfg = small_config(tok.get_vocab_size(), a.seq, index_topk=a.topk, bos_token_id=tok.token_to_id(chat.BOS),
+                       eos_token_id=tok.token_to_id(chat.EOS))
     model = TrainModel(cfg, a.seed).to(a.device)
-    log = {}
+    log, seconds, held = {}, {"data": time.time() - t0}, {}
+    held_texts = read_text(stdlib_files(held_out=True))[:40]
 
     def progress(stage, i, n, entry):
         if i == n or i % max(1, n // 20) == 0:
-            print(f"{stage:>6} {i:5d}/{n}  lm {entry['lm']:.3f}  kl {entry['kl']:.4f}  recall {entry['recall']:.3f}",
-                  file=sys.stderr, flush=True)
+            print(f"{stage:>6} {i:5d}/{n}  lm {entry['lm']:.3f}  kl {entry['kl']:.4f}  recall {entry['recall']:.3f}"
+                  f"  {time.time() - t0:5.0f} s", file=sys.stderr, flush=True)
     for stage, n in zip(STAGES, a.steps):
+        t1 = time.time()
         batches = [b.to(a.device) for b in token_batches(ids, n, a.batch, a.seq, a.seed + len(log))]
         log[stage] = run_stage(model, batches, stage, a.lr, progress)
+        seconds[stage] = time.time() - t1
+        held[stage] = {mode: bits_per_byte(model, tok, held_texts, a.seq, mode == "sparse", max_windows=16)
+                       for mode in ("dense", "sparse")}                 # held-out bits per byte after the stage
+        print(f"{stage:>6} done in {seconds[stage]:.0f} s; held-out bits per byte: dense {held[stage]['dense']:.3f}, "
+              f"sparse {held[stage]['sparse']:.3f}", file=sys.stderr, flush=True)
     out = model.cpu().export(Path(a.out), cfg)
     (out / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
-    (out / "train_log.json").write_text(json.dumps({"args": vars(a), "seconds": time.time() - t0, "log": log}))
+    where = {"python": sys.version.split()[0], "torch": torch.__version__, "device":
+             torch.cuda.get_device_name() if str(a.device).startswith("cuda") else "cpu", "tokens": len(ids),
+             "files": len(files), "date": time.strftime("%Y-%m-%d")}
+    (out / "train_log.json").write_text(json.dumps({"args": vars(a), "where": where, "seconds": seconds,
+                                                    "held_out_bits_per_byte": held, "log": log}))
     print(f"wrote {out} in {time.time() - t0:.0f} s", file=sys.stderr)
     return out
 
 
-def evaluate(ckpt, contexts, distances, n, files):  # -> the rows printed: the issue's table for one checkpoint
+def evaluate(ckpt, n, files):  # -> the rows printed: the issue's table for one checkpoint
+    """Contexts from half index_topk to 8 times it (the training window) and 16 times (YaRN beyond it);
+    retrieval at distances (characters) from below the top-k's reach to the training window's."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json"))
     model = TrainModel.from_checkpoint(ckpt)
+    K, top = model.args.index_topk, model.args.max_seq_len
     held = read_text(stdlib_files(held_out=True))[:files]
     bz = bzip2_bits_per_byte(held)
     rows = [("bzip2 -9, bits per byte (the same bytes)", bz, bz)]
-    for T in contexts:
+    for T in [c for c in (K // 2, K, 4 * K, 8 * K, 16 * K) if 2 <= c <= top]:
         rows.append((f"bits per byte at {T} tokens (dense, sparse)", bits_per_byte(model, tok, held, T, False),
                      bits_per_byte(model, tok, held, T, True)))
-    for dist in distances:
+    for dist in (50, 200, 800):
         rows.append((f"retrieval accuracy at {dist} characters (dense, sparse)",
                      retrieval_accuracy(model, tok, dist, n, False), retrieval_accuracy(model, tok, dist, n, True)))
     print(f"{ckpt}: index_topk {model.args.index_topk}, {files} held-out files")
@@ -423,10 +476,10 @@ def bits_per_byte(model, tok, texts, T, sparse, max_windows=64):  # -> bits per 
         for s in range(0, len(ids) - T, T):
             if seen == max_windows:
                 return bits / nbytes
-            w = torch.tensor([ids[s:s + T]])
+            w = torch.tensor([ids[s:s + T]], device=getattr(model, "device", None))
             with torch.no_grad():
                 logits = model(w, sparse=sparse)
-            ce = torch.nn.functional.cross_entropy(logits[0, :-1], w[0, 1:], reduction="sum")
+            ce = torch.nn.functional.cross_entropy(logits[0, :-1].float(), w[0, 1:], reduction="sum").cpu()
             bits += float(ce) / math.log(2)
             nbytes += len(tok.decode(ids[s + 1:s + T]).encode("utf-8"))
             seen += 1
@@ -448,7 +501,7 @@ def retrieval_accuracy(model, tok, distance, n, sparse, seed=10_000):  # share o
         ids = list(prompt)
         with torch.no_grad():
             for _ in range(len(tok.encode(value).ids)):
-                ids.append(int(model(torch.tensor([ids]), sparse=sparse)[0, -1].argmax()))
+                ids.append(int(model(torch.tensor([ids], device=model.device), sparse=sparse)[0, -1].argmax()))
         right += tok.decode(ids[len(prompt):]).strip().startswith(value)
     return right / n
 

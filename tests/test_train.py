@@ -127,14 +127,14 @@ def test_the_recipe_end_to_end_on_a_toy(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    out = train.main(["--out", str(tmp_path / "m"), "--steps", "2", "2", "2", "--batch", "2", "--seq", "48",
+    out = train.main(["--out", str(tmp_path / "m"), "--steps", "2", "2", "2", "--batch", "2", "--seq", "48", "--topk", "8",
                       "--vocab", "400", "--files", "3"])
     assert (out / "tokenizer.json").is_file() and (out / "train_log.json").is_file()
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run([sys.executable, str(root / "generate.py"), "--ckpt", str(out), "--prompt", "def f(x):", "--raw",
                         "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr
-    rows = train.main(["--evaluate", str(out), "--files", "2", "--seq", "40"])     # the evaluation's table
+    rows = train.main(["--evaluate", str(out), "--files", "2", "--samples", "2"])     # the evaluation's table
     assert [name.split(" at ")[0] for name, *_ in rows][:2] == ["bzip2 -9, bits per byte (the same bytes)", "bits per byte"]
     assert all(0 <= dense and 0 <= sparse for _, dense, sparse in rows)
 
