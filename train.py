@@ -310,15 +310,16 @@ def learning_rate(lr, i, n, warm=50):  # step i of n: linear warm-up over `warm`
     return lr * (0.55 + 0.45 * math.cos(math.pi * (i - warm) / max(1, n - warm)))
 
 
-def run_stage(model, batches, stage, lr=1e-3, progress=None, gamma=1e-3):  # -> the log of every step
+def run_stage(model, batches, stage, lr=1e-3, progress=None, gamma=1e-3, decay=0.1):  # -> the log of every step
     """One stage over `batches` ([B, T] token tensors), AdamW on the stage's parameters (warm-up, cosine
-    decay, gradients clipped to norm 1); the router bias balanced after each step of the stages that train
+    decay, gradients clipped to norm 1, weight decay on the matrices); the router bias balanced after each step of the stages that train
     the experts (gamma: its step, DeepSeek-V3's 0.001)."""
     names = trainable(model, stage)
     for k, prm in model.p.items():
         prm.requires_grad_(k in names)
     params = [model.p[k] for k in sorted(names)]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([{"params": [q for q in params if q.ndim == 2], "weight_decay": decay},
+                             {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0}], lr=lr)
     logs = []
     for i, tokens in enumerate(batches):
         for group in opt.param_groups:
@@ -386,7 +387,7 @@ def main(argv=None):
     what.add_argument("--out", help="train, and write the checkpoint to this folder (new, empty, or one we wrote)")
     what.add_argument("--evaluate", metavar="CKPT", help="evaluate a checkpoint this wrote: held-out bits per byte "
                                                          "(dense, sparse, bzip2) and retrieval accuracy")
-    ap.add_argument("--steps", type=int, nargs=3, default=[3000, 400, 1200], metavar=("DENSE", "WARMUP", "SPARSE"))
+    ap.add_argument("--steps", type=int, nargs=3, default=[2000, 400, 800], metavar=("DENSE", "WARMUP", "SPARSE"))
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=512, help="tokens per sequence (above index_topk: sparse selects)")
     ap.add_argument("--topk", type=int, default=64, help="index_topk: the keys each query attends in sparse mode")
@@ -417,6 +418,8 @@ def main(argv=None):
     held_texts = read_text(stdlib_files(held_out=True))[:40]
 
     def progress(stage, i, n, entry):
+        if i % max(1, n // 10) == 0:                                    # the held-out curve, dense attention
+            entry["held_out"] = bits_per_byte(model, tok, held_texts, a.seq, False, max_windows=8)
         if i == n or i % max(1, n // 20) == 0:
             print(f"{stage:>6} {i:5d}/{n}  lm {entry['lm']:.3f}  kl {entry['kl']:.4f}  recall {entry['recall']:.3f}"
                   f"  {time.time() - t0:5.0f} s", file=sys.stderr, flush=True)
