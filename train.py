@@ -154,6 +154,7 @@ class TrainModel(torch.nn.Module):
             value = quant.weight_dequant(t, scale) if scale is not None else quant.decode(t)
             params[name.replace(".", "__")] = torch.nn.Parameter(torch.from_numpy(value.astype("float32")))
         self.p = torch.nn.ParameterDict(params)
+        self.dropout = 0.0                                               # residual dropout, in training only
         self.loads = {}                                                  # MoE layer -> tokens per expert, last step
 
     @classmethod
@@ -197,7 +198,8 @@ class TrainModel(torch.nn.Module):
         dev = tokens.device
         cos, sin = (torch.from_numpy(x).to(dev) for x in rope.rope_angles(self.freqs.numpy(), range(T)))
         causal_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-        h, seen = self.w("model.embed_tokens.weight")[tokens], []
+        drop = lambda y: torch.nn.functional.dropout(y, self.dropout, self.training) if self.dropout else y  # noqa: E731
+        h, seen = drop(self.w("model.embed_tokens.weight")[tokens]), []
         for i in range(a.num_hidden_layers):
             pre, at = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             x = bt.rms_norm(h, self.w(pre + "input_layernorm.weight"), eps, bt.no_round)
@@ -225,11 +227,11 @@ class TrainModel(torch.nn.Module):
             s = (qq @ kk.transpose(-1, -2)) * a.softmax_scale
             p = torch.softmax(s.masked_fill(~allowed[:, None], -float("inf")), -1)           # [B, H, T, T]
             o = (p @ kvb[..., N:].transpose(1, 2)).transpose(1, 2).reshape(B, T, H * V)
-            h = h + o @ self.w(at + "o_proj.weight").T
+            h = h + drop(o @ self.w(at + "o_proj.weight").T)
             if record:
                 seen.append((p.transpose(1, 2), I))                                           # A [B, T, H, S], I
             x = bt.rms_norm(h, self.w(pre + "post_attention_layernorm.weight"), eps, bt.no_round)
-            h = h + self._ffn(x.reshape(B * T, -1), i).view(B, T, -1)
+            h = h + drop(self._ffn(x.reshape(B * T, -1), i).view(B, T, -1))
         h = bt.rms_norm(h, self.w("model.norm.weight"), eps, bt.no_round)
         logits = h @ self.w("lm_head.weight").T
         return (logits, seen) if record else logits
@@ -394,6 +396,8 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--files", type=int, default=None, help="use only the first N files (toy runs, the evaluation)")
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--dropout", type=float, default=0.1, help="residual dropout in training (embedding, attention "
+                                                                "and FFN outputs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--samples", type=int, default=32, help="--evaluate: retrieval sequences per distance")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, ... (a GPU trains with TF32 matrix products)")
@@ -414,21 +418,24 @@ def main(argv=None):
     cfg = small_config(tok.get_vocab_size(), a.seq, index_topk=a.topk, bos_token_id=tok.token_to_id(chat.BOS),
                        eos_token_id=tok.token_to_id(chat.EOS))
     model = TrainModel(cfg, a.seed).to(a.device)
+    model.dropout = a.dropout
     log, seconds, held = {}, {"data": time.time() - t0}, {}
     held_texts = read_text(stdlib_files(held_out=True))[:40]
 
     def progress(stage, i, n, entry):
         if i % max(1, n // 10) == 0:                                    # the held-out curve, dense attention
-            entry["held_out"] = bits_per_byte(model, tok, held_texts, a.seq, False, max_windows=8)
+            entry["held_out"] = bits_per_byte(model.eval(), tok, held_texts, a.seq, False, max_windows=8)
+            model.train()
         if i == n or i % max(1, n // 20) == 0:
             print(f"{stage:>6} {i:5d}/{n}  lm {entry['lm']:.3f}  kl {entry['kl']:.4f}  recall {entry['recall']:.3f}"
                   f"  {time.time() - t0:5.0f} s", file=sys.stderr, flush=True)
     for stage, n in zip(STAGES, a.steps):
         t1 = time.time()
         batches = [b.to(a.device) for b in token_batches(ids, n, a.batch, a.seq, a.seed + len(log))]
+        model.train()
         log[stage] = run_stage(model, batches, stage, a.lr, progress)
         seconds[stage] = time.time() - t1
-        held[stage] = {mode: bits_per_byte(model, tok, held_texts, a.seq, mode == "sparse", max_windows=16)
+        held[stage] = {mode: bits_per_byte(model.eval(), tok, held_texts, a.seq, mode == "sparse", max_windows=16)
                        for mode in ("dense", "sparse")}                 # held-out bits per byte after the stage
         print(f"{stage:>6} done in {seconds[stage]:.0f} s; held-out bits per byte: dense {held[stage]['dense']:.3f}, "
               f"sparse {held[stage]['sparse']:.3f}", file=sys.stderr, flush=True)
@@ -448,7 +455,7 @@ def evaluate(ckpt, n, files):  # -> the rows printed: the issue's table for one 
     retrieval at distances (characters) from below the top-k's reach to the training window's."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json"))
-    model = TrainModel.from_checkpoint(ckpt)
+    model = TrainModel.from_checkpoint(ckpt).eval()
     K, top = model.args.index_topk, model.args.max_seq_len
     held = read_text(stdlib_files(held_out=True))[:files]
     bz = bzip2_bits_per_byte(held)
