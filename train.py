@@ -389,14 +389,14 @@ def main(argv=None):
     what.add_argument("--out", help="train, and write the checkpoint to this folder (new, empty, or one we wrote)")
     what.add_argument("--evaluate", metavar="CKPT", help="evaluate a checkpoint this wrote: held-out bits per byte "
                                                          "(dense, sparse, bzip2) and retrieval accuracy")
-    ap.add_argument("--steps", type=int, nargs=3, default=[2000, 400, 800], metavar=("DENSE", "WARMUP", "SPARSE"))
+    ap.add_argument("--steps", type=int, nargs=3, default=[2500, 400, 1000], metavar=("DENSE", "WARMUP", "SPARSE"))
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=512, help="tokens per sequence (above index_topk: sparse selects)")
     ap.add_argument("--topk", type=int, default=64, help="index_topk: the keys each query attends in sparse mode")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--files", type=int, default=None, help="use only the first N files (toy runs, the evaluation)")
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--dropout", type=float, default=0.1, help="residual dropout in training (embedding, attention "
+    ap.add_argument("--dropout", type=float, default=0.3, help="residual dropout in training (embedding, attention "
                                                                 "and FFN outputs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--samples", type=int, default=32, help="--evaluate: retrieval sequences per distance")
@@ -420,11 +420,14 @@ def main(argv=None):
     model = TrainModel(cfg, a.seed).to(a.device)
     model.dropout = a.dropout
     log, seconds, held = {}, {"data": time.time() - t0}, {}
-    held_texts = read_text(stdlib_files(held_out=True))[:40]
+    held_texts, sc = read_text(stdlib_files(held_out=True))[:40], min(64, a.seq // 2)
+
+    def held_bpb(sparse, n):  # held-out bits per byte of `sc` tokens after seq - sc of context (one window)
+        return bits_per_byte(model.eval(), tok, held_texts, a.seq - sc, sparse, max_windows=n, scored=sc)
 
     def progress(stage, i, n, entry):
         if i % max(1, n // 10) == 0:                                    # the held-out curve, dense attention
-            entry["held_out"] = bits_per_byte(model.eval(), tok, held_texts, a.seq, False, max_windows=8)
+            entry["held_out"] = held_bpb(False, 32)
             model.train()
         if i == n or i % max(1, n // 20) == 0:
             print(f"{stage:>6} {i:5d}/{n}  lm {entry['lm']:.3f}  kl {entry['kl']:.4f}  recall {entry['recall']:.3f}"
@@ -435,7 +438,7 @@ def main(argv=None):
         model.train()
         log[stage] = run_stage(model, batches, stage, a.lr, progress)
         seconds[stage] = time.time() - t1
-        held[stage] = {mode: bits_per_byte(model.eval(), tok, held_texts, a.seq, mode == "sparse", max_windows=16)
+        held[stage] = {mode: held_bpb(mode == "sparse", 64)
                        for mode in ("dense", "sparse")}                 # held-out bits per byte after the stage
         print(f"{stage:>6} done in {seconds[stage]:.0f} s; held-out bits per byte: dense {held[stage]['dense']:.3f}, "
               f"sparse {held[stage]['sparse']:.3f}", file=sys.stderr, flush=True)
@@ -460,9 +463,10 @@ def evaluate(ckpt, n, files):  # -> the rows printed: the issue's table for one 
     held = read_text(stdlib_files(held_out=True))[:files]
     bz = bzip2_bits_per_byte(held)
     rows = [("bzip2 -9, bits per byte (the same bytes)", bz, bz)]
-    for T in [c for c in (K // 2, K, 4 * K, 8 * K, 16 * K) if 2 <= c <= top]:
-        rows.append((f"bits per byte at {T} tokens (dense, sparse)", bits_per_byte(model, tok, held, T, False),
-                     bits_per_byte(model, tok, held, T, True)))
+    contexts = [c for c in (K // 2, K, 4 * K, 8 * K, 16 * K) if 1 <= c and c + 64 <= top]
+    for T in contexts:                                                   # the same scored tokens at every T
+        rows.append((f"bits per byte after {T} tokens (dense, sparse)",
+                     *(bits_per_byte(model, tok, held, T, sparse, context_max=max(contexts)) for sparse in (0, 1))))
     for dist in (50, 200, 800):
         rows.append((f"retrieval accuracy at {dist} characters (dense, sparse)",
                      retrieval_accuracy(model, tok, dist, n, False), retrieval_accuracy(model, tok, dist, n, True)))
@@ -476,22 +480,25 @@ def evaluate(ckpt, n, files):  # -> the rows printed: the issue's table for one 
 # -----------------------------------------------------------------------------
 # Evaluation: held-out bits per byte, dense and sparse, beside bzip2; retrieval accuracy against distance
 
-def bits_per_byte(model, tok, texts, T, sparse, max_windows=64):  # -> bits per byte of text on held-out windows
-    """Windows of T tokens of each text (up to max_windows in all): the next-token cross-entropy of every
-    position after the first, in bits, divided by the UTF-8 bytes those tokens spell."""
+def bits_per_byte(model, tok, texts, T, sparse, max_windows=64, scored=64, context_max=None):  # -> bits per byte
+    """The same held-out targets for every context T: in each text, blocks of `scored` tokens at positions
+    p = C, 2C + scored, ... (C = context_max, default T), each predicted after the T tokens before it
+    (a window of T + scored tokens, its last `scored` positions scored); up to max_windows blocks in all.
+    The next-token cross-entropy in bits over the UTF-8 bytes the scored tokens spell."""
     import math
+    C = context_max or T
     bits, nbytes, seen = 0.0, 0, 0
     for text in texts:
         ids = tok.encode(text).ids
-        for s in range(0, len(ids) - T, T):
+        for p in range(C, len(ids) - scored + 1, C + scored):
             if seen == max_windows:
                 return bits / nbytes
-            w = torch.tensor([ids[s:s + T]], device=getattr(model, "device", None))
+            w = torch.tensor([ids[p - T:p + scored]], device=getattr(model, "device", None))
             with torch.no_grad():
-                logits = model(w, sparse=sparse)
-            ce = torch.nn.functional.cross_entropy(logits[0, :-1].float(), w[0, 1:], reduction="sum").cpu()
+                logits = model(w, sparse=sparse)[0, T - 1:-1]            # the predictions of ids[p:p + scored]
+            ce = torch.nn.functional.cross_entropy(logits.float(), w[0, T:], reduction="sum").cpu()
             bits += float(ce) / math.log(2)
-            nbytes += len(tok.decode(ids[s + 1:s + T]).encode("utf-8"))
+            nbytes += len(tok.decode(ids[p:p + scored]).encode("utf-8"))
             seen += 1
     return bits / max(nbytes, 1)
 
@@ -503,14 +510,15 @@ def bzip2_bits_per_byte(texts):  # the same held-out text through bzip2 (level 9
 
 
 def retrieval_accuracy(model, tok, distance, n, sparse, seed=10_000):  # share of fresh sequences answered right
-    """Greedy continuation after 'print(key)  # ': right iff it spells the bound value's digits."""
+    """Greedy continuation after 'print(key)  #': right iff it spells ' ' and the bound value's digits (the
+    space left to the continuation, where byte-level BPE puts it: on the value's first token)."""
     right = 0
     for k in range(n):
         text, key, value = retrieval_sequence(seed + k, distance)
-        prompt = tok.encode(text[:-len(value) - 1]).ids
+        prompt = tok.encode(text[:-len(value) - 2]).ids
         ids = list(prompt)
         with torch.no_grad():
-            for _ in range(len(tok.encode(value).ids)):
+            for _ in range(len(tok.encode(" " + value).ids)):
                 ids.append(int(model(torch.tensor([ids], device=model.device), sparse=sparse)[0, -1].argmax()))
         right += tok.decode(ids[len(prompt):]).strip().startswith(value)
     return right / n
