@@ -21,6 +21,7 @@ trained on the training files, holding DeepSeek's special tokens so the chat for
 Letters: B sequences, T query tokens, S keys (the last T of them are the queries), H heads, k top-k.
 """
 import hashlib
+import json
 import random
 import sysconfig
 from pathlib import Path
@@ -50,6 +51,14 @@ def stdlib_files(held_out=False, root=None):  # -> the .py files of one side of 
     return out
 
 
+GENERATED = ("encodings/", "pydoc_data/")    # codec tables and a docstring dump, written by scripts: not in evaluations
+
+
+def evaluation_files():  # -> the held-out files that people wrote (GENERATED left out: they flatter any model)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [f for f in stdlib_files(held_out=True, root=root) if not f.relative_to(root).as_posix().startswith(GENERATED)]
+
+
 def read_text(files):  # -> the files' text, each as UTF-8 (a file that is not is skipped)
     texts = []
     for f in files:
@@ -60,18 +69,24 @@ def read_text(files):  # -> the files' text, each as UTF-8 (a file that is not i
     return texts
 
 
-def retrieval_sequence(seed, distance):  # -> (text, key, value): a key bound, then asked for
+def retrieval_sequence(seed, distance, queries=1):  # -> (text, key, value): a key bound, then asked for
     """A name bound to a value on the first line, `distance` characters of Python-like filler (other
-    bindings), then a line asking for it: the answer is the value, found only by attending that far."""
+    bindings), then a line asking for it: the answer is the value, found only by attending that far.
+    queries > 1 (training): that many more lines after it ask for other bindings, drawn from all of them."""
     rng = random.Random(seed)
     word = lambda: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 9)))  # noqa: E731
     key, value = word(), str(rng.randint(10000, 99999))
-    lines, size = [f"{key} = {value}\n"], 0
+    lines, size, bound = [f"{key} = {value}\n"], 0, []
     while size < distance:
-        line = f"{word()} = {rng.randint(0, 99999)}\n"                     # other bindings: distractors
+        other = (word(), rng.randint(0, 99999))
+        line = f"{other[0]} = {other[1]}\n"                               # other bindings: distractors
         lines.append(line)
+        bound.append(other)
         size += len(line)
     lines.append(f"print({key})  # {value}\n")
+    for _ in range(queries - 1):
+        k, v = rng.choice(bound)
+        lines.append(f"print({k})  # {v}\n")
     return "".join(lines), key, value
 
 
@@ -349,17 +364,17 @@ def token_batches(ids, n, B, T, seed):  # n batches of B windows of T tokens fro
     return [torch.stack([ids[s:s + T] for s in row.tolist()]) for row in starts]
 
 
-def corpus_ids(tok, texts, seed, retrieval_share=0.1, distances=(100, 1200)):  # -> one token stream
+def corpus_ids(tok, texts, seed, retrieval_share=0.1, distances=(100, 1200), queries=1):  # -> one token stream
     """The files, each closed by EOS, with retrieval sequences mixed in between them until they make
     `retrieval_share` of the tokens; each sequence's distance (characters) drawn from `distances`, so
-    that most fit a training window while reaching well beyond the top-k."""
+    that most fit a training window while reaching well beyond the top-k; `queries` lines ask for bindings."""
     rng = random.Random(seed)
     eos = tok.token_to_id(chat.EOS)
     ids, extra, k = [], 0, 0
     for enc in tok.encode_batch(texts):
         ids += enc.ids + [eos]
         while extra < retrieval_share * len(ids):                        # synthetic sequences mixed in
-            seq = tok.encode(retrieval_sequence(seed * 1_000_003 + k, rng.randint(*distances))[0]).ids + [eos]
+            seq = tok.encode(retrieval_sequence(seed * 1_000_003 + k, rng.randint(*distances), queries)[0]).ids + [eos]
             ids += seq
             extra, k = extra + len(seq), k + 1
     return ids
@@ -379,7 +394,6 @@ def small_config(vocab_size, seq, **overrides):  # the shipped model's config: t
 
 def main(argv=None):
     import argparse
-    import json
     import sys
     import time
     import checkpoint
@@ -398,12 +412,14 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--dropout", type=float, default=0.3, help="residual dropout in training (embedding, attention "
                                                                 "and FFN outputs)")
+    ap.add_argument("--queries", type=int, default=1, help="lines asking for a binding in each retrieval sequence")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--samples", type=int, default=32, help="--evaluate: retrieval sequences per distance")
+    ap.add_argument("--json", help="--evaluate: also write the rows to this JSON file (views.py --eval reads it)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, ... (a GPU trains with TF32 matrix products)")
     a = ap.parse_args(argv)
     if a.evaluate:
-        return evaluate(a.evaluate, n=a.samples, files=a.files or 40)
+        return evaluate(a.evaluate, n=a.samples, files=a.files, out=a.json)
     if min(a.steps) < 1 or a.batch < 1 or a.seq < 2 or a.topk < 1:
         ap.error("--steps, --batch, --seq and --topk must be positive (--seq at least 2)")
     checkpoint.check_replaceable(Path(a.out))
@@ -412,7 +428,7 @@ def main(argv=None):
     files = stdlib_files()[:a.files]
     texts = read_text(files)
     tok = train_tokenizer(texts, a.vocab)
-    ids = corpus_ids(tok, texts, a.seed)
+    ids = corpus_ids(tok, texts, a.seed, queries=a.queries)
     print(f"data: {len(files)} files, {len(ids):,} tokens, vocabulary {tok.get_vocab_size()} "
           f"({time.time() - t0:.0f} s)", file=sys.stderr)
     cfg = small_config(tok.get_vocab_size(), a.seq, index_topk=a.topk, bos_token_id=tok.token_to_id(chat.BOS),
@@ -420,7 +436,7 @@ def main(argv=None):
     model = TrainModel(cfg, a.seed).to(a.device)
     model.dropout = a.dropout
     log, seconds, held = {}, {"data": time.time() - t0}, {}
-    held_texts, sc = read_text(stdlib_files(held_out=True))[:40], min(64, a.seq // 2)
+    held_texts, sc = read_text(evaluation_files()), min(64, a.seq // 2)
 
     def held_bpb(sparse, n):  # held-out bits per byte of `sc` tokens after seq - sc of context (one window)
         return bits_per_byte(model.eval(), tok, held_texts, a.seq - sc, sparse, max_windows=n, scored=sc)
@@ -453,44 +469,51 @@ def main(argv=None):
     return out
 
 
-def evaluate(ckpt, n, files):  # -> the rows printed: the issue's table for one checkpoint
-    """Contexts from half index_topk to 8 times it (the training window) and 16 times (YaRN beyond it);
-    retrieval at distances (characters) from below the top-k's reach to the training window's."""
+def evaluate(ckpt, n, files, out=None):  # -> the rows printed: the issue's table for one checkpoint
+    """Held-out bits per byte after contexts from half index_topk to 8 times it (the training window) and 16
+    times (YaRN beyond it), dense and sparse, the same scored tokens at every context; bzip2 -9 on the
+    whole held-out files that hold them; retrieval accuracy over n fresh sequences at distances (characters)
+    from within the top-k's reach to the training window's (n = 0: none). Rows printed as they come; `out`:
+    also written there as JSON (views.py plots them)."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json"))
     model = TrainModel.from_checkpoint(ckpt).eval()
     K, top = model.args.index_topk, model.args.max_seq_len
-    held = read_text(stdlib_files(held_out=True))[:files]
+    held = read_text(evaluation_files())[:files]
+    print(f"{ckpt}: index_topk {K}, {len(held)} held-out files; columns: dense, sparse", flush=True)
+    rows = []
+
+    def row(name, dense, sparse):
+        rows.append((name, dense, sparse))
+        print(f"{name:55s} {dense:8.3f} {sparse:8.3f}", flush=True)
     bz = bzip2_bits_per_byte(held)
-    rows = [("bzip2 -9, bits per byte (the same bytes)", bz, bz)]
+    row("bzip2 -9, bits per byte (the same files, whole)", bz, bz)
     contexts = [c for c in (K // 2, K, 4 * K, 8 * K, 16 * K) if 1 <= c and c + 64 <= top]
     for T in contexts:                                                   # the same scored tokens at every T
-        rows.append((f"bits per byte after {T} tokens (dense, sparse)",
-                     *(bits_per_byte(model, tok, held, T, sparse, context_max=max(contexts)) for sparse in (0, 1))))
-    for dist in (50, 200, 800):
-        rows.append((f"retrieval accuracy at {dist} characters (dense, sparse)",
-                     retrieval_accuracy(model, tok, dist, n, False), retrieval_accuracy(model, tok, dist, n, True)))
-    print(f"{ckpt}: index_topk {model.args.index_topk}, {files} held-out files")
-    for name, dense, sparse in rows:
-        print(f"{name:55s} {dense:8.3f} {sparse:8.3f}")
+        row(f"bits per byte after {T} tokens", *(bits_per_byte(model, tok, held, T, sparse, context_max=max(contexts))
+                                                 for sparse in (False, True)))
+    for dist in (50, 200, 800) if n else ():
+        row(f"retrieval accuracy at {dist} characters", *(retrieval_accuracy(model, tok, dist, n, sparse)
+                                                          for sparse in (False, True)))
+    if out:
+        Path(out).write_text(json.dumps(rows, indent=1) + "\n")
     return rows
-
 
 
 # -----------------------------------------------------------------------------
 # Evaluation: held-out bits per byte, dense and sparse, beside bzip2; retrieval accuracy against distance
 
-def bits_per_byte(model, tok, texts, T, sparse, max_windows=64, scored=64, context_max=None):  # -> bits per byte
-    """The same held-out targets for every context T: in each text, blocks of `scored` tokens at positions
-    p = C, 2C + scored, ... (C = context_max, default T), each predicted after the T tokens before it
-    (a window of T + scored tokens, its last `scored` positions scored); up to max_windows blocks in all.
-    The next-token cross-entropy in bits over the UTF-8 bytes the scored tokens spell."""
+def bits_per_byte(model, tok, texts, T, sparse, max_windows=128, scored=64, context_max=None, per_file=8):
+    """Held-out bits per byte, the same scored tokens for every context T: in each text, up to `per_file`
+    consecutive blocks of `scored` tokens from position C = context_max (default T) on, each predicted after
+    the T tokens before it (one window of T + scored tokens, its last `scored` positions scored); up to
+    max_windows blocks in all. The next-token cross-entropy in bits over the UTF-8 bytes the blocks spell."""
     import math
     C = context_max or T
     bits, nbytes, seen = 0.0, 0, 0
     for text in texts:
         ids = tok.encode(text).ids
-        for p in range(C, len(ids) - scored + 1, C + scored):
+        for p in list(range(C, len(ids) - scored + 1, scored))[:per_file]:
             if seen == max_windows:
                 return bits / nbytes
             w = torch.tensor([ids[p - T:p + scored]], device=getattr(model, "device", None))

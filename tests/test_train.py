@@ -135,7 +135,7 @@ def test_the_recipe_end_to_end_on_a_toy(tmp_path):
                         "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr
     rows = train.main(["--evaluate", str(out), "--files", "2", "--samples", "2"])     # the evaluation's table
-    assert [name.split(" after ")[0] for name, *_ in rows][:2] == ["bzip2 -9, bits per byte (the same bytes)", "bits per byte"]
+    assert [name.split(" after ")[0] for name, *_ in rows][:2] == ["bzip2 -9, bits per byte (the same files, whole)", "bits per byte"]
     assert all(0 <= dense and 0 <= sparse for _, dense, sparse in rows)
 
 
@@ -187,7 +187,7 @@ def test_the_router_bias_balances_the_load():
 def test_bits_per_byte_of_a_uniform_model():
     # a model that predicts every token with probability 1/V costs log2(V) bits per scored token, so the
     # figure is that times the tokens scored, over the bytes those tokens spell; the scored blocks are the
-    # same for every context T (they start at context_max, then every context_max + scored tokens)
+    # same for every context T (consecutive blocks from position context_max on, up to per_file of them)
     import math
     texts = train.read_text(train.stdlib_files(held_out=True)[:1])
     tok = train.train_tokenizer(texts, 300)
@@ -198,9 +198,9 @@ def test_bits_per_byte_of_a_uniform_model():
         seen.append(w.shape[1])
         return torch.zeros(w.shape[0], w.shape[1], V)
     ids, C, n = tok.encode(texts[0]).ids, 40, 16
-    blocks = list(range(C, len(ids) - n + 1, C + n))[:3]
+    blocks = list(range(C, len(ids) - n + 1, n))[:3]
     want = 3 * n * math.log2(V) / sum(len(tok.decode(ids[p:p + n]).encode()) for p in blocks)
     for T in (8, 40):
         seen.clear()
-        got = train.bits_per_byte(uniform, tok, texts[:1], T, False, max_windows=3, scored=n, context_max=C)
+        got = train.bits_per_byte(uniform, tok, texts[:1], T, False, max_windows=9, scored=n, context_max=C, per_file=3)
         assert abs(got - want) <= 1e-6 * want and seen == [T + n] * 3               # fp32 cross-entropy

@@ -1,0 +1,200 @@
+"""Teaching views of a trained DSA model (issue 21): what the lightning indexer learns, as PNG figures.
+
+    python views.py --ckpt small-v32 --out figures [--eval eval.json]
+
+1. attention.png   per layer, for one held-out prompt: the main attention p_{t,s} (heads summed,
+                   L1-normalised: eq. (3)'s target) beside the index scores I_{t,s} (eq. (1)) with the
+                   top-k keys S_t (eq. (2)) marked. What the warm-up teaches: I's top-k covers p's mass.
+2. recall.png      the share of p's mass on the indexer's top-k keys against k, per layer, beside the
+                   k most recent keys (a sliding window of the same size): the indexer's advantage.
+3. context.png     held-out bits per byte against context length, dense and sparse attention, and
+                   bzip2 -9 on the same bytes (train.py --evaluate's table, computed here or read).
+4. training.png    the training log: the language-model loss of the three stages, the indexer's KL
+                   (eq. (3) in the warm-up, eq. (4) in sparse training) and its recall, step by step.
+
+Letters: T query tokens, S keys (here S = T, the prompt attending itself), H heads, k = index_topk.
+matplotlib draws (Agg: files only, no display); every number comes from train.py's functions.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def attention_maps(model, tokens):  # tokens [T] -> per layer (p [T, S] float64, I [T, S] float64)
+    """The dense forward with the indexer recorded: p is eq. (3)'s target, heads summed, L1-normalised."""
+    import torch
+    import train
+    with torch.no_grad():
+        _, seen = model(torch.tensor([tokens], device=model.device), record=True)
+    return [(train.attention_target(A)[0].double().cpu().numpy(), I[0].double().cpu().numpy()) for A, I in seen]
+
+
+def top_k_keys(I, K):  # [T, S] scores over causal keys -> [T, S] bool: S_t = Top-k(I_t), ties to the lower index
+    T, S = I.shape
+    causal = np.arange(S)[None, :] <= np.arange(S - T, S)[:, None]
+    order = np.argsort(-np.where(causal, I, -np.inf), axis=-1, kind="stable")[:, :K]
+    sel = np.zeros((T, S), bool)
+    np.put_along_axis(sel, order, True, -1)
+    return sel & causal
+
+
+def recall_at(p, sel):  # the mean over queries of p's mass on the selected keys
+    return float((p * sel).sum(-1).mean())
+
+
+def recent_keys(T, S, K):  # [T, S] bool: the K most recent causal keys of each query (a sliding window)
+    s, t = np.arange(S)[None, :], np.arange(S - T, S)[:, None]
+    return (s <= t) & (s > t - K)
+
+
+def recall_curves(maps, ks):  # -> {layer: (indexer recall per k, window recall per k)}
+    out = {}
+    for i, (p, I) in enumerate(maps):
+        T, S = p.shape
+        out[i] = ([recall_at(p, top_k_keys(I, k)) for k in ks], [recall_at(p, recent_keys(T, S, k)) for k in ks])
+    return out
+
+
+def held_out_prompt(tok, T, files=40):  # -> T tokens from the first held-out file long enough (never trained on)
+    import train
+    for text in train.read_text(train.stdlib_files(held_out=True))[:files]:
+        ids = tok.encode(text).ids
+        if len(ids) >= 2 * T:
+            return ids[T:2 * T]                                         # past the file's licence header
+    raise ValueError(f"no held-out file has {2 * T} tokens")
+
+
+# -----------------------------------------------------------------------------
+# The figures
+
+def plot_attention(maps, K, path):
+    import matplotlib.pyplot as plt
+    L = len(maps)
+    fig, axes = plt.subplots(L, 2, figsize=(9, 4.2 * L), squeeze=False)
+    for i, (p, I) in enumerate(maps):
+        T, S = p.shape
+        causal = np.arange(S)[None, :] <= np.arange(S - T, S)[:, None]
+        sel = top_k_keys(I, K)
+        axes[i, 0].imshow(np.log10(np.where(causal, p, np.nan) + 1e-6), cmap="viridis", vmin=-4, vmax=0)
+        axes[i, 0].set_title(f"layer {i}: attention p (heads summed), log10")
+        z = np.where(causal, I, np.nan)
+        axes[i, 1].imshow(z, cmap="magma")
+        t, s = np.nonzero(sel)
+        axes[i, 1].scatter(s, t, s=0.3, c="cyan", marker="s", linewidths=0)
+        axes[i, 1].set_title(f"layer {i}: index scores I, top-{K} in cyan; recall {recall_at(p, sel):.2f}")
+        for ax in axes[i]:
+            ax.set_xlabel("key s")
+            ax.set_ylabel("query t")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_recall(curves, ks, K, path):
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (idx, win) in curves.items():
+        line, = ax.plot(ks, idx, marker="o", ms=3, label=f"layer {i}: indexer top-k")
+        ax.plot(ks, win, ls="--", color=line.get_color(), label=f"layer {i}: k most recent keys")
+    ax.axvline(K, color="gray", lw=0.8)
+    ax.text(K, 0.02, f" index_topk = {K}", color="gray")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("k (keys kept per query)")
+    ax.set_ylabel("share of the attention mass kept (recall)")
+    ax.set_title("How much of the dense attention the top-k keeps")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_context(rows, path):  # rows: train.evaluate's (name, dense, sparse)
+    import matplotlib.pyplot as plt
+    ctx = [(int(n.split(" after ")[1].split()[0]), d, s) for n, d, s in rows if n.startswith("bits per byte after")]
+    bz = next(d for n, d, s in rows if n.startswith("bzip2"))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot([c for c, _, _ in ctx], [d for _, d, _ in ctx], marker="o", label="dense attention")
+    ax.plot([c for c, _, _ in ctx], [s for _, _, s in ctx], marker="s", ls="--", label="sparse (DSA top-k)")
+    ax.axhline(bz, color="gray", ls=":", label="bzip2 -9 on the same files")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens of context before the scored tokens")
+    ax.set_ylabel("held-out bits per byte")
+    ax.set_title("Held-out Python source: dense and sparse attention")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_training(log, path):  # log: train_log.json's "log" {stage: [step entries]}
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    start = 0
+    for stage, entries in log.items():
+        x = np.arange(start, start + len(entries))
+        for ax, key in zip(axes, ("lm", "kl", "recall")):
+            ax.plot(x, [e[key] for e in entries], lw=0.6, label=stage)
+        start += len(entries)
+    for ax, title in zip(axes, ("language-model loss (nats per token)", "indexer KL: eq. (3) dense, eq. (4) sparse",
+                                "recall: dense attention mass on the top-k")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step (dense, warm-up, sparse)")
+        ax.legend(fontsize=8)
+    axes[1].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    import argparse
+    import sys
+    import matplotlib
+    matplotlib.use("Agg")
+    from tokenizers import Tokenizer
+    import checkpoint
+    import train
+    ap = argparse.ArgumentParser(description="Draw the teaching views of a checkpoint train.py wrote.")
+    ap.add_argument("--ckpt", required=True, help="a folder train.py wrote (config.json, weights, tokenizer.json, "
+                                                  "train_log.json)")
+    ap.add_argument("--out", required=True, help="folder for the PNGs (created; existing PNGs of these names replaced)")
+    ap.add_argument("--eval", help="a JSON file of train.py --evaluate's rows to plot instead of evaluating here")
+    ap.add_argument("--tokens", type=int, default=256, help="the prompt's length in tokens for views 1 and 2")
+    a = ap.parse_args(argv)
+    ckpt, out = Path(a.ckpt), Path(a.out)
+    for name in ("config.json", "tokenizer.json", "train_log.json"):
+        if not (ckpt / name).is_file():
+            raise SystemExit(f"views: {ckpt / name} is missing (a folder train.py wrote has it)")
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"views: {out} exists and is not a folder")
+    try:
+        model = train.TrainModel.from_checkpoint(ckpt).eval()
+    except checkpoint.LoadError as e:
+        raise SystemExit(f"views: {e}")
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    K = model.args.index_topk
+    out.mkdir(parents=True, exist_ok=True)
+    say = lambda msg: print(f"views: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+
+    maps = attention_maps(model, held_out_prompt(tok, a.tokens))
+    plot_attention(maps, K, out / "attention.png")
+    say(f"wrote {out / 'attention.png'}")
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if k <= a.tokens]
+    plot_recall(recall_curves(maps, ks), ks, K, out / "recall.png")
+    say(f"wrote {out / 'recall.png'}")
+    if a.eval:
+        rows = json.loads(Path(a.eval).read_text())
+    else:
+        say("evaluating held-out bits per byte at each context (train.py --evaluate's measure)")
+        rows = train.evaluate(ckpt, n=0, files=None)                    # bits per byte only, no retrieval
+    plot_context(rows, out / "context.png")
+    say(f"wrote {out / 'context.png'}")
+    plot_training(json.loads((ckpt / "train_log.json").read_text())["log"], out / "training.png")
+    say(f"wrote {out / 'training.png'}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
