@@ -68,26 +68,32 @@ def held_out_prompt(tok, T, files=40):  # -> T tokens from the first held-out fi
 # -----------------------------------------------------------------------------
 # The figures
 
+def row_softmax(I, causal):  # [T, S] -> the indexer's distribution per query over its causal keys (eq. (3)'s q_t)
+    z = np.where(causal, I, -np.inf)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
 def plot_attention(maps, K, path):
     import matplotlib.pyplot as plt
     L = len(maps)
-    fig, axes = plt.subplots(L, 2, figsize=(9, 4.2 * L), squeeze=False)
+    fig, axes = plt.subplots(L, 2, figsize=(8, 4 * L), squeeze=False)
     for i, (p, I) in enumerate(maps):
         T, S = p.shape
         causal = np.arange(S)[None, :] <= np.arange(S - T, S)[:, None]
         sel = top_k_keys(I, K)
         axes[i, 0].imshow(np.log10(np.where(causal, p, np.nan) + 1e-6), cmap="viridis", vmin=-4, vmax=0)
-        axes[i, 0].set_title(f"layer {i}: attention p (heads summed), log10")
-        z = np.where(causal, I, np.nan)
-        axes[i, 1].imshow(z, cmap="magma")
-        t, s = np.nonzero(sel)
-        axes[i, 1].scatter(s, t, s=0.3, c="cyan", marker="s", linewidths=0)
-        axes[i, 1].set_title(f"layer {i}: index scores I, top-{K} in cyan; recall {recall_at(p, sel):.2f}")
+        axes[i, 0].set_title(f"layer {i}: attention p_t (heads summed), log10", fontsize=9)
+        axes[i, 1].imshow(np.log10(np.where(causal, row_softmax(I, causal), np.nan) + 1e-6), cmap="magma",
+                          vmin=-4, vmax=0)
+        axes[i, 1].contour(sel.astype(float), levels=[0.5], colors="cyan", linewidths=0.5)
+        axes[i, 1].set_title(f"layer {i}: Softmax(I_t), log10; top-{K} inside cyan; recall {recall_at(p, sel):.2f}",
+                             fontsize=9)
         for ax in axes[i]:
             ax.set_xlabel("key s")
             ax.set_ylabel("query t")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=70)
     plt.close(fig)
 
 
@@ -106,11 +112,11 @@ def plot_recall(curves, ks, K, path):
     ax.set_title("How much of the dense attention the top-k keeps")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def plot_context(rows, path):  # rows: train.evaluate's (name, dense, sparse)
+def plot_context(rows, K, window, path):  # rows: train.evaluate's (name, dense, sparse); index_topk; training window
     import matplotlib.pyplot as plt
     ctx = [(int(n.split(" after ")[1].split()[0]), d, s) for n, d, s in rows if n.startswith("bits per byte after")]
     bz = next(d for n, d, s in rows if n.startswith("bzip2"))
@@ -118,13 +124,16 @@ def plot_context(rows, path):  # rows: train.evaluate's (name, dense, sparse)
     ax.plot([c for c, _, _ in ctx], [d for _, d, _ in ctx], marker="o", label="dense attention")
     ax.plot([c for c, _, _ in ctx], [s for _, _, s in ctx], marker="s", ls="--", label="sparse (DSA top-k)")
     ax.axhline(bz, color="gray", ls=":", label="bzip2 -9 on the same files")
+    for x, name in ((K, f"index_topk {K}"), (window, f"training window {window}")):
+        ax.axvline(x, color="gray", lw=0.8)
+        ax.text(x, ax.get_ylim()[0], f" {name}", color="gray", rotation=90, va="bottom", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens of context before the scored tokens")
     ax.set_ylabel("held-out bits per byte")
     ax.set_title("Held-out Python source: dense and sparse attention")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
@@ -144,7 +153,7 @@ def plot_training(log, path):  # log: train_log.json's "log" {stage: [step entri
         ax.legend(fontsize=8)
     axes[1].set_yscale("log")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
@@ -161,7 +170,7 @@ def main(argv=None):
                                                   "train_log.json)")
     ap.add_argument("--out", required=True, help="folder for the PNGs (created; existing PNGs of these names replaced)")
     ap.add_argument("--eval", help="a JSON file of train.py --evaluate's rows to plot instead of evaluating here")
-    ap.add_argument("--tokens", type=int, default=256, help="the prompt's length in tokens for views 1 and 2")
+    ap.add_argument("--tokens", type=int, default=160, help="the prompt's length in tokens for views 1 and 2")
     a = ap.parse_args(argv)
     ckpt, out = Path(a.ckpt), Path(a.out)
     for name in ("config.json", "tokenizer.json", "train_log.json"):
@@ -189,7 +198,7 @@ def main(argv=None):
     else:
         say("evaluating held-out bits per byte at each context (train.py --evaluate's measure)")
         rows = train.evaluate(ckpt, n=0, files=None)                    # bits per byte only, no retrieval
-    plot_context(rows, out / "context.png")
+    plot_context(rows, K, model.args.original_seq_len, out / "context.png")
     say(f"wrote {out / 'context.png'}")
     plot_training(json.loads((ckpt / "train_log.json").read_text())["log"], out / "training.png")
     say(f"wrote {out / 'training.png'}")

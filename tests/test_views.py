@@ -1,0 +1,59 @@
+"""views.py: the teaching views' numbers against independent computations (the NumPy top-k reference,
+train.py's torch recall), and the four PNGs drawn from a toy checkpoint that train.py wrote."""
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import indexer
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+import train  # noqa: E402
+import views  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 7), st.integers(0, 9), st.integers(1, 12), st.integers(0, 2 ** 31))
+def test_top_k_and_recall_match_the_references(T, past, K, seed):
+    rng = np.random.default_rng(seed)
+    S = past + T
+    I = np.round(rng.standard_normal((T, S)), 1).astype(np.float32)       # rounded: ties among the scores
+    sel = views.top_k_keys(I, K)
+    assert np.array_equal(sel, indexer.topk_select_ref(I[None], K, past)[0])
+    A = rng.random((T, 3, S)) * indexer.causal_ref(T, past, S)[:, None, :]
+    A = A / A.sum(-1, keepdims=True)
+    p = train.attention_target(torch.from_numpy(A)).numpy()
+    want = train.recall(torch.from_numpy(A), torch.from_numpy(I.astype(np.float64)), K)
+    assert abs(views.recall_at(p, sel) - want) <= 1e-12
+
+
+@given(st.integers(1, 9), st.integers(0, 9), st.integers(1, 12))
+def test_recent_keys_are_a_sliding_window(T, past, K):
+    win = views.recent_keys(T, past + T, K)
+    for t in range(T):
+        q = past + t                                                      # the query's own position
+        assert list(np.nonzero(win[t])[0]) == list(range(max(0, q - K + 1), q + 1))
+
+
+def test_row_softmax_is_the_indexers_distribution():
+    I = np.array([[1.0, 5.0, 2.0], [0.5, -1.0, 3.0]])
+    causal = np.array([[True, False, False], [True, True, True]])
+    got = views.row_softmax(I, causal)
+    assert np.allclose(got[0], [1, 0, 0]) and np.allclose(got[1], np.exp(I[1]) / np.exp(I[1]).sum())
+
+
+def test_the_four_views_of_a_toy_checkpoint(tmp_path, capsys):
+    out = train.main(["--out", str(tmp_path / "m"), "--steps", "2", "2", "2", "--batch", "2", "--seq", "48", "--topk", "8",
+                      "--vocab", "400", "--files", "3"])
+    rows = train.evaluate(out, n=0, files=2, out=tmp_path / "eval.json")
+    assert json.loads((tmp_path / "eval.json").read_text()) == [list(r) for r in rows]
+    figs = views.main(["--ckpt", str(out), "--out", str(tmp_path / "fig"), "--eval", str(tmp_path / "eval.json"),
+                       "--tokens", "40"])
+    for name in ("attention", "recall", "context", "training"):
+        assert (figs / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    (out / "train_log.json").unlink()
+    with pytest.raises(SystemExit, match="train_log.json is missing"):
+        views.main(["--ckpt", str(out), "--out", str(tmp_path / "fig2")])
+    assert not (tmp_path / "fig2").exists()                              # nothing made before the check
