@@ -392,11 +392,8 @@ def small_config(vocab_size, seq, **overrides):  # the shipped model's config: t
     return cfg
 
 
-def main(argv=None):
+def parser():  # the command line; its defaults are the shipped model's recipe (tested against its log)
     import argparse
-    import sys
-    import time
-    import checkpoint
     ap = argparse.ArgumentParser(description="Train a small DeepSeek-V3.2-Exp-architecture model in the paper's "
                                              "three stages and write it in the real checkpoint layout.")
     what = ap.add_mutually_exclusive_group(required=True)
@@ -417,6 +414,14 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=32, help="--evaluate: retrieval sequences per distance")
     ap.add_argument("--json", help="--evaluate: also write the rows to this JSON file (views.py --eval reads it)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, ... (a GPU trains with TF32 matrix products)")
+    return ap
+
+
+def main(argv=None):
+    import sys
+    import time
+    import checkpoint
+    ap = parser()
     a = ap.parse_args(argv)
     if a.evaluate:
         return evaluate(a.evaluate, n=a.samples, files=a.files, out=a.json)
