@@ -3,11 +3,13 @@
 sparse training with top-k selection, eq. (4) for the indexer; then the model written in the real
 checkpoint layout, so the loader, both numerics, --verify and the GPU kernels apply to it.
 
-    python train.py --out DIR [--steps DENSE WARMUP SPARSE] [--batch B] [--seq T] [--device cuda]
+    python train.py --out small-v32 --device cuda      the shipped model's recipe (354 s on an H200)
+    python train.py --evaluate small-v32               held-out bits per byte, dense / sparse / bzip2
+    python views.py --ckpt small-v32 --out figures     the teaching views (views.py)
 
 TrainModel is model.Transformer's exact forward with autograd (tested equal on its export); the
 indexer's objectives are the NumPy references' (indexer.indexer_kl_dense / indexer_kl_sparse) in torch.
-Issue 21 is in progress: the real run, the shipped checkpoint and the teaching views are still to come.
+The command line's defaults are the shipped model's recipe (tests/test_train.py holds them to its log).
 
     eq. (3)  L^I = sum_t KL(p_{t,:} || Softmax(I_{t,:}))        p_t: the main attention, heads summed,
                                                                 L1-normalised, over the causal keys
@@ -424,10 +426,16 @@ def main(argv=None):
     ap = parser()
     a = ap.parse_args(argv)
     if a.evaluate:
+        missing = [n for n in ("config.json", "tokenizer.json") if not (Path(a.evaluate) / n).is_file()]
+        if missing:
+            ap.error(f"--evaluate {a.evaluate}: no {missing[0]} there (a folder train.py wrote has it)")
         return evaluate(a.evaluate, n=a.samples, files=a.files, out=a.json)
     if min(a.steps) < 1 or a.batch < 1 or a.seq < 2 or a.topk < 1:
         ap.error("--steps, --batch, --seq and --topk must be positive (--seq at least 2)")
-    checkpoint.check_replaceable(Path(a.out))
+    try:
+        checkpoint.check_replaceable(Path(a.out))
+    except (FileExistsError, NotADirectoryError) as e:
+        ap.error(str(e))
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     t0 = time.time()
     files = stdlib_files()[:a.files]
@@ -451,7 +459,8 @@ def main(argv=None):
             entry["held_out"] = held_bpb(False, 32)
             model.train()
         if i == n or i % max(1, n // 20) == 0:
-            print(f"{stage:>6} {i:5d}/{n}  lm {entry['lm']:.3f}  kl {entry['kl']:.4f}  recall {entry['recall']:.3f}"
+            bar = "#" * (20 * i // n) + "." * (20 - 20 * i // n)
+            print(f"{stage:>6} [{bar}] {i:5d}/{n}  lm {entry['lm']:.3f}  kl {entry['kl']:.4f}  recall {entry['recall']:.3f}"
                   f"  {time.time() - t0:5.0f} s", file=sys.stderr, flush=True)
     for stage, n in zip(STAGES, a.steps):
         t1 = time.time()

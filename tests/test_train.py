@@ -235,3 +235,15 @@ def test_the_shipped_model_beats_bzip2_and_its_warm_up_converged():
     warm = json.loads((SHIPPED / "train_log.json").read_text())["log"]["warmup"]
     assert np.mean([e["kl"] for e in warm[-20:]]) < 0.2 * np.mean([e["kl"] for e in warm[:5]])
     assert np.mean([e["recall"] for e in warm[-20:]]) > np.mean([e["recall"] for e in warm[:5]]) + 0.2
+
+
+def test_bad_input_gets_one_line_and_touches_nothing(tmp_path, capsys):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    for argv, said in ((["--out", str(theirs)], "did not write"), (["--evaluate", str(tmp_path / "none")], "no config.json"),
+                       (["--out", str(tmp_path / "n"), "--steps", "0", "1", "1"], "must be positive")):
+        with pytest.raises(SystemExit) as e:
+            train.main(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    assert [p.name for p in theirs.iterdir()] == ["notes.txt"] and not (tmp_path / "n").exists()
