@@ -1,0 +1,144 @@
+"""Triton kernels for DeepSeek-V4-Flash (issue 19, first step): manifold-constrained hyper-connections
+(mHC, V4 paper §2.2; mhc.py has the equations) in two launches per sub-layer instead of a chain of
+about twenty small ones (the GEMV, the norm, three sigmoids, Sinkhorn's twenty row and column
+normalisations, the collapse, the expansion).
+
+    hc_mix_pre   μ = Φ x̄ · rsqrt(mean(x̄²) + eps), the pre / post mixes, Sinkhorn on the comb mix, and
+                 the collapse u = Σ_i a_i X_i, fused: one program per BLOCK_M tokens streams x̄ twice
+                                           reference: mhc.hc_mixes_ref, then mhc.hc_pre_ref
+    hc_post      X'_j = c_j y + Σ_i B_ij X_i, the streams re-rounded to bf16 (official numerics)
+                                           reference: mhc.hc_post_ref
+
+Numerics: fp32 throughout, as the official code; the references sum Φ x̄ in float64 (quant.matmul_f32),
+so the mixes agree to float32 rounding, not bit for bit, and a bf16 output may differ by one ulp where
+the fp32 sum sits on a rounding boundary (tests/test_kernels_v4.py states the bounds). Not yet dispatched:
+V4's torch path runs on the CPU only (model_v4.py); these kernels are tested against their references
+under TRITON_INTERPRET=1 and wait for the GPU wiring of issue 19. They use no FP8 and nothing
+vendor-specific, so kernels_rocm.py's GPUs run the same sources.
+
+Letters: M tokens, n = hc_mult streams, d hidden size, K = n d, R = (2 + n) n mix rows.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels_fp8 import _bf16_round
+
+
+# -----------------------------------------------------------------------------
+# mhc.hc_mixes_ref + mhc.hc_pre_ref: the mixes, Sinkhorn and the collapse of the streams
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _hc_mix_pre_kernel(X, FN, BASE, PRE, POST, COMB, U, M, d, K, s0, s1, s2, eps_rms, hc_eps,
+                       N: tl.constexpr, ITERS: tl.constexpr, ROUND: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PAD: tl.constexpr):
+    """Reference: mhc.hc_mixes_ref (official: Φ x̄ first, then the scale), then mhc.hc_pre_ref."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)                  # tokens m
+    in_m = rows < M
+    j = tl.arange(0, PAD)                                                       # a mix's columns, padded
+    ii = tl.arange(0, N * N)                                                    # the comb mix, row-major
+    ks = tl.arange(0, BLOCK_K)
+    # pass 1: Σ x̄² and the three GEMVs Φ_pre x̄, Φ_post x̄, Φ_comb x̄ (fp32 MMA, IEEE products)
+    ss = tl.zeros((BLOCK_M,), tl.float32)
+    acc_pre = tl.zeros((BLOCK_M, PAD), tl.float32)
+    acc_post = tl.zeros((BLOCK_M, PAD), tl.float32)
+    acc_comb = tl.zeros((BLOCK_M, N * N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        x = tl.load(X + rows[:, None].to(tl.int64) * K + k[None, :], mask=in_m[:, None] & (k[None, :] < K), other=0.0)
+        ss += tl.sum(x * x, 1)
+        f_pre = tl.load(FN + j[None, :] * K + k[:, None], mask=(j[None, :] < N) & (k[:, None] < K), other=0.0)
+        f_post = tl.load(FN + (N + j[None, :]) * K + k[:, None], mask=(j[None, :] < N) & (k[:, None] < K), other=0.0)
+        f_comb = tl.load(FN + (2 * N + ii[None, :]) * K + k[:, None], mask=k[:, None] < K, other=0.0)
+        acc_pre = tl.dot(x, f_pre, acc_pre, input_precision="ieee")
+        acc_post = tl.dot(x, f_post, acc_post, input_precision="ieee")
+        acc_comb = tl.dot(x, f_comb, acc_comb, input_precision="ieee")
+    r = 1.0 / tl.sqrt(ss / K + eps_rms)                                         # RMSNorm₀'s scale, [BLOCK_M]
+    # the mixes: a = σ(α0 μ + b) + ε, c = 2 σ(α1 μ + b), B = Sinkhorn(softmax(α2 μ + b) + ε)
+    b_pre = tl.load(BASE + j, mask=j < N, other=0.0)
+    b_post = tl.load(BASE + N + j, mask=j < N, other=0.0)
+    b_comb = tl.load(BASE + 2 * N + ii)
+    a = _sigmoid(s0 * (acc_pre * r[:, None]) + b_pre[None, :]) + hc_eps           # [BLOCK_M, PAD]
+    c = 2.0 * _sigmoid(s1 * (acc_post * r[:, None]) + b_post[None, :])
+    z = tl.reshape(s2 * (acc_comb * r[:, None]) + b_comb[None, :], (BLOCK_M, N, N))  # [m, i, j]
+    B = tl.exp(z - tl.max(z, 2)[:, :, None])
+    B = B / tl.sum(B, 2)[:, :, None] + hc_eps                                   # softmax over j, + eps
+    B = B / (tl.sum(B, 1)[:, None, :] + hc_eps)                                 # columns
+    for _ in range(ITERS - 1):
+        B = B / (tl.sum(B, 2)[:, :, None] + hc_eps)                             # rows
+        B = B / (tl.sum(B, 1)[:, None, :] + hc_eps)                             # columns
+    out = rows[:, None] * N + j[None, :]
+    tl.store(PRE + out, a, mask=in_m[:, None] & (j[None, :] < N))
+    tl.store(POST + out, c, mask=in_m[:, None] & (j[None, :] < N))
+    tl.store(COMB + rows[:, None] * (N * N) + ii[None, :], tl.reshape(B, (BLOCK_M, N * N)), mask=in_m[:, None])
+    # pass 2: u = Σ_i a_i X_i, stream by stream (x̄ read again, from L2 for a block this size)
+    for d0 in range(0, d, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        m2 = in_m[:, None] & (cols[None, :] < d)
+        u = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for i in tl.static_range(N):
+            a_i = tl.sum(tl.where(j[None, :] == i, a, 0.0), 1)                  # [BLOCK_M]
+            x_i = tl.load(X + rows[:, None].to(tl.int64) * K + i * d + cols[None, :], mask=m2, other=0.0)
+            u += a_i[:, None] * x_i
+        if ROUND:
+            u = _bf16_round(u)
+        tl.store(U + rows[:, None].to(tl.int64) * d + cols[None, :], u, mask=m2)
+
+
+def hc_mix_pre(X, fn, base, scale, args, official=False):  # X [M, n, d] -> pre, post [M, n], comb [M, n, n], u [M, d]
+    """mhc.hc_mixes_ref then mhc.hc_pre_ref (u rounded to bf16 in official numerics), in one launch."""
+    M, n, d = X.shape
+    R = (2 + n) * n
+    if fn.shape != (R, n * d) or base.shape != (R,) or n & (n - 1) or n < 2:
+        raise ValueError(f"hc_mix_pre: streams {n} (a power of two), Φ {tuple(fn.shape)} != ({R}, {n * d}) "
+                         f"or base {tuple(base.shape)} != ({R},)")
+    X = X.float().contiguous()
+    pre, post = (torch.empty(M, n, dtype=torch.float32, device=X.device) for _ in range(2))
+    comb = torch.empty(M, n, n, dtype=torch.float32, device=X.device)
+    u = torch.empty(M, d, dtype=torch.float32, device=X.device)
+    s = [float(v) for v in scale]
+    BLOCK_M = 16
+    _hc_mix_pre_kernel[(triton.cdiv(M, BLOCK_M),)](
+        X, fn.float().contiguous(), base.float().contiguous(), pre, post, comb, u, M, d, n * d, s[0], s[1], s[2],
+        float(args.rms_norm_eps), float(args.hc_eps), N=n, ITERS=int(args.hc_sinkhorn_iters), ROUND=bool(official),
+        BLOCK_M=BLOCK_M, BLOCK_K=64, BLOCK_D=128, PAD=max(16, n), num_warps=4)
+    return pre, post, comb, u
+
+
+# -----------------------------------------------------------------------------
+# mhc.hc_post_ref: the sub-layer's output expanded back into the streams, mixed by B
+
+@triton.jit
+def _hc_post_kernel(X, Y, POST, COMB, OUT, d, N: tl.constexpr, ROUND: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Reference: mhc.hc_post_ref. One program per token and BLOCK_D columns, all n streams."""
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    i = tl.arange(0, N)
+    ok = cols[None, :] < d
+    x = tl.load(X + m * N * d + i[:, None] * d + cols[None, :], mask=ok, other=0.0)      # [n (i), BLOCK_D]
+    y = tl.load(Y + m * d + cols, mask=cols < d, other=0.0)                               # [BLOCK_D]
+    c = tl.load(POST + m * N + i)                                                         # [n (j)]
+    B = tl.load(COMB + m * N * N + i[:, None] * N + i[None, :])                           # [n (i), n (j)]
+    out = c[:, None] * y[None, :] + tl.sum(B[:, :, None] * x[:, None, :], 0)              # [n (j), BLOCK_D]
+    if ROUND:
+        out = _bf16_round(out)
+    tl.store(OUT + m * N * d + i[:, None] * d + cols[None, :], out, mask=ok)
+
+
+def hc_post(X, y, post, comb, official=False):  # [M, n, d], [M, d], [M, n], [M, n, n] -> X' [M, n, d]
+    """mhc.hc_post_ref; official: the streams rounded to bf16, as the official code holds them."""
+    M, n, d = X.shape
+    if y.shape != (M, d) or post.shape != (M, n) or comb.shape != (M, n, n) or n & (n - 1) or n < 2:
+        raise ValueError(f"hc_post: X {tuple(X.shape)} (streams a power of two), y {tuple(y.shape)}, "
+                         f"post {tuple(post.shape)}, comb {tuple(comb.shape)} do not agree")
+    out = torch.empty(M, n, d, dtype=torch.float32, device=X.device)
+    BLOCK_D = 256
+    _hc_post_kernel[(M, triton.cdiv(d, BLOCK_D))](
+        X.float().contiguous(), y.float().contiguous(), post.float().contiguous(), comb.float().contiguous(), out, d,
+        N=n, ROUND=bool(official), BLOCK_D=BLOCK_D, num_warps=4)
+    return out
