@@ -8,6 +8,9 @@ normalisations, the collapse, the expansion).
                                            reference: mhc.hc_mixes_ref, then mhc.hc_pre_ref
     hc_post      X'_j = c_j y + Σ_i B_ij X_i, the streams re-rounded to bf16 (official numerics)
                                            reference: mhc.hc_post_ref
+    fp4_gemm     the routed experts' GEMM: FP8 activations (1x128 scales) times MXFP4 weights (two e2m1
+                 codes a byte, the low nibble first; one E8M0 scale per 32), per 32-wide K block the
+                 partial sum promoted by both scales      reference: quant.fp4_gemm
 
 Numerics: fp32 throughout, as the official code; the references sum Φ x̄ in float64 (quant.matmul_f32),
 so the mixes agree to float32 rounding, not bit for bit, and a bf16 output may differ by one ulp where
@@ -22,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_fp8 import _bf16_round
+from kernels_fp8 import _bf16_round, _e4m3_decode
 
 
 # -----------------------------------------------------------------------------
@@ -142,3 +145,56 @@ def hc_post(X, y, post, comb, official=False):  # [M, n, d], [M, d], [M, n], [M,
         X.float().contiguous(), y.float().contiguous(), post.float().contiguous(), comb.float().contiguous(), out, d,
         N=n, ROUND=bool(official), BLOCK_D=BLOCK_D, num_warps=4)
     return out
+
+
+# -----------------------------------------------------------------------------
+# quant.fp4_gemm: V4's expert GEMM. Both operands decoded from their bytes to fp16 inside the kernel
+# (every e4m3 and e2m1 value is exact in fp16; plain Triton on any GPU and in the interpreter). Hopper's
+# FP8 route (the FP4 codes widened to e4m3, exact, into the FP8 MMA) and the gfx90a INT8 route are the
+# next variants; this one is what they must equal.
+
+@triton.jit
+def _e2m1_decode(nib):
+    """4-bit e2m1 code -> fp32: sign, 2 exponent bits (bias 1), 1 mantissa bit; 0, .5, 1, 1.5, 2, 3, 4, 6."""
+    b = nib.to(tl.int32)
+    e = (b >> 1) & 3
+    m = (b & 1).to(tl.float32)
+    v = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
+    return tl.where((b & 8) != 0, -v, v)
+
+
+@triton.jit
+def _fp4_gemm_kernel(A, SA, B, SB, C, M, N, K, FNUZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Reference: quant.fp4_gemm. A [M, K] e4m3 bytes, SA [M, K/128], B [N, K/2] e2m1 pairs, SB [N, K/32]."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_m, in_n = rows < M, cols < N
+    k32 = tl.arange(0, 32)
+    k16 = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kb in range(0, K // 32):
+        a = _e4m3_decode(tl.load(A + rows[:, None].to(tl.int64) * K + kb * 32 + k32[None, :], mask=in_m[:, None],
+                                 other=0), FNUZ).to(tl.float16)                          # [BLOCK_M, 32]
+        pairs = tl.load(B + cols[:, None].to(tl.int64) * (K // 2) + kb * 16 + k16[None, :], mask=in_n[:, None], other=0)
+        nib = tl.reshape(tl.join(pairs & 0xF, pairs >> 4), (BLOCK_N, 32))              # even k: the low nibble
+        b = _e2m1_decode(nib).to(tl.float16)                                             # [BLOCK_N, 32]
+        partial = tl.dot(a, tl.trans(b))                                                # fp32 sums of exact products
+        sa = tl.load(SA + rows * (K // 128) + (kb * 32) // 128, mask=in_m, other=0.0)
+        sb = tl.load(SB + cols * (K // 32) + kb, mask=in_n, other=0.0)
+        acc += (partial * sa[:, None]) * sb[None, :]                                     # as the reference, in order
+    tl.store(C + rows[:, None].to(tl.int64) * N + cols[None, :], acc, mask=in_m[:, None] & in_n[None, :])
+
+
+def fp4_gemm(a, sa, packed, sb, fnuz=False):  # [M, K] e4m3, [M, K/128], [N, K/2] uint8, [N, K/32] -> [M, N] f32
+    """quant.fp4_gemm: a as torch float8 (or its uint8 bytes), packed the checkpoint's FP4 pairs."""
+    M, K = a.shape
+    N = packed.shape[0]
+    if K % 128 or packed.shape != (N, K // 2) or sa.shape != (M, K // 128) or sb.shape != (N, K // 32):
+        raise ValueError(f"fp4_gemm: a {tuple(a.shape)} (K a multiple of 128), scales {tuple(sa.shape)}, "
+                         f"weights {tuple(packed.shape)}, scales {tuple(sb.shape)} do not agree")
+    c = torch.empty(M, N, dtype=torch.float32, device=a.device)
+    BLOCK_M, BLOCK_N = 16, 64
+    _fp4_gemm_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))](
+        a.contiguous().view(torch.uint8), sa.float().contiguous(), packed.contiguous().view(torch.uint8),
+        sb.float().contiguous(), c, M, N, K, FNUZ=fnuz, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+    return c

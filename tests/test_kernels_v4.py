@@ -84,3 +84,25 @@ def test_the_kernels_refuse_shapes_that_do_not_agree():
                               torch.zeros(15, device=DEV), [1, 1, 1], args)
     with pytest.raises(ValueError, match="hc_post"):
         kernels_v4.hc_post(X, torch.zeros(2, 7, device=DEV), torch.zeros(2, 4, device=DEV), torch.zeros(2, 4, 4, device=DEV))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 150), st.integers(1, 4), st.floats(0.01, 100), st.integers(-12, 4),
+       st.booleans(), st.integers(0, 2 ** 31))
+def test_fp4_gemm_kernel(M, N, Kb, spread, e_lo, fnuz, seed):
+    # quant.fp4_gemm's promotion order (per 32-wide K block: partial x activation scale x weight scale); the
+    # kernel's fp32 sums of exact fp16 products may round a partial differently where it needs more than 24
+    # bits: bounded by 2^-20 of the magnitudes' sum. fnuz (gfx942): the same bytes read as e4m3fnuz are half
+    # the e4m3fn values, so the activation scales double (0x80, NaN there, is -0 here: mapped to +0)
+    rng = np.random.default_rng(seed)
+    K = 128 * Kb
+    q, sa = quant.act_quant((rng.standard_normal((M, K)) * spread).astype(np.float32))
+    codes = np.array(q.view(np.uint8))
+    codes[codes == 0x80] = 0
+    q = codes.view(quant.E4M3)
+    packed = rng.integers(0, 256, (N, K // 2)).astype(np.uint8)
+    sb = np.exp2(rng.integers(e_lo, e_lo + 6, (N, K // 32))).astype(np.float32)
+    want = quant.fp4_gemm(q, sa, packed, sb)
+    mag = quant.fp4_gemm((codes & 0x7F).view(quant.E4M3), sa, packed & 0x77, sb)          # sum of |terms|, a bound
+    got = kernels_v4.fp4_gemm(t(codes), t(sa * (2 if fnuz else 1)), t(packed), t(sb), fnuz=fnuz).cpu().numpy()
+    assert np.all(np.abs(got - want) <= 2.0 ** -20 * mag)
