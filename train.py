@@ -415,6 +415,7 @@ def parser():  # the command line; its defaults are the shipped model's recipe (
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--samples", type=int, default=32, help="--evaluate: retrieval sequences per distance")
     ap.add_argument("--json", help="--evaluate: also write the rows to this JSON file (views.py --eval reads it)")
+    ap.add_argument("--windows", type=int, default=128, help="--evaluate: scored blocks of 64 tokens per context")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, ... (a GPU trains with TF32 matrix products)")
     return ap
 
@@ -429,9 +430,19 @@ def main(argv=None):
         missing = [n for n in ("config.json", "tokenizer.json") if not (Path(a.evaluate) / n).is_file()]
         if missing:
             ap.error(f"--evaluate {a.evaluate}: no {missing[0]} there (a folder train.py wrote has it)")
-        return evaluate(a.evaluate, n=a.samples, files=a.files, out=a.json)
-    if min(a.steps) < 1 or a.batch < 1 or a.seq < 2 or a.topk < 1:
-        ap.error("--steps, --batch, --seq and --topk must be positive (--seq at least 2)")
+        if (a.files is not None and a.files < 1) or a.samples < 0 or a.windows < 1:
+            ap.error("--files and --windows must be positive, --samples at least 0")
+        if a.json and not Path(a.json).resolve().parent.is_dir():
+            ap.error(f"--json {a.json}: its folder does not exist")
+        return evaluate(a.evaluate, n=a.samples, files=a.files, out=a.json, windows=a.windows)
+    if min(a.steps) < 1 or a.batch < 1 or a.seq < 2 or a.topk < 1 or (a.files is not None and a.files < 1):
+        ap.error("--steps, --batch, --seq, --topk and --files must be positive (--seq at least 2)")
+    if not 0 <= a.dropout < 1:
+        ap.error(f"--dropout {a.dropout}: a probability below 1 expected")
+    try:
+        torch.empty(0, device=a.device)
+    except (RuntimeError, ValueError) as e:
+        ap.error(f"--device {a.device}: {str(e).splitlines()[0]}")
     try:
         checkpoint.check_replaceable(Path(a.out))
     except (FileExistsError, NotADirectoryError) as e:
@@ -449,10 +460,10 @@ def main(argv=None):
     model = TrainModel(cfg, a.seed).to(a.device)
     model.dropout = a.dropout
     log, seconds, held = {}, {"data": time.time() - t0}, {}
-    held_texts, sc = read_text(evaluation_files()), min(64, a.seq // 2)
+    held_docs, sc = encode_ids(tok, read_text(evaluation_files())), min(64, a.seq // 2)
 
     def held_bpb(sparse, n):  # held-out bits per byte of `sc` tokens after seq - sc of context (one window)
-        return bits_per_byte(model.eval(), tok, held_texts, a.seq - sc, sparse, max_windows=n, scored=sc)
+        return bits_per_byte(model.eval(), tok, held_docs, a.seq - sc, sparse, max_windows=n, scored=sc)
 
     def progress(stage, i, n, entry):
         if i % max(1, n // 10) == 0:                                    # the held-out curve, dense attention
@@ -483,7 +494,7 @@ def main(argv=None):
     return out
 
 
-def evaluate(ckpt, n, files, out=None):  # -> the rows printed: the issue's table for one checkpoint
+def evaluate(ckpt, n, files, out=None, windows=128):  # -> the rows printed: the issue's table for one checkpoint
     """Held-out bits per byte after contexts from half index_topk to 8 times it (the training window) and 16
     times (YaRN beyond it), dense and sparse, the same scored tokens at every context; bzip2 -9 on the
     whole held-out files that hold them; retrieval accuracy over n fresh sequences at distances (characters)
@@ -500,11 +511,12 @@ def evaluate(ckpt, n, files, out=None):  # -> the rows printed: the issue's tabl
     def row(name, dense, sparse):
         rows.append((name, dense, sparse))
         print(f"{name:55s} {dense:8.3f} {sparse:8.3f}", flush=True)
+    docs = encode_ids(tok, held)
     bz = bzip2_bits_per_byte(held)
-    row("bzip2 -9, bits per byte (the same files, whole)", bz, bz)
+    row("bzip2 -9, bits per byte (the held-out files, whole)", bz, bz)
     contexts = [c for c in (K // 2, K, 4 * K, 8 * K, 16 * K) if 1 <= c and c + 64 <= top]
     for T in contexts:                                                   # the same scored tokens at every T
-        row(f"bits per byte after {T} tokens", *(bits_per_byte(model, tok, held, T, sparse, context_max=max(contexts))
+        row(f"bits per byte after {T} tokens", *(bits_per_byte(model, tok, docs, T, sparse, windows, context_max=max(contexts))
                                                  for sparse in (False, True)))
     for dist in (50, 200, 800) if n else ():
         row(f"retrieval accuracy at {dist} characters", *(retrieval_accuracy(model, tok, dist, n, sparse)
@@ -517,16 +529,16 @@ def evaluate(ckpt, n, files, out=None):  # -> the rows printed: the issue's tabl
 # -----------------------------------------------------------------------------
 # Evaluation: held-out bits per byte, dense and sparse, beside bzip2; retrieval accuracy against distance
 
-def bits_per_byte(model, tok, texts, T, sparse, max_windows=128, scored=64, context_max=None, per_file=8):
-    """Held-out bits per byte, the same scored tokens for every context T: in each text, up to `per_file`
+def bits_per_byte(model, tok, docs, T, sparse, max_windows=128, scored=64, context_max=None, per_file=8):
+    """Held-out bits per byte, the same scored tokens for every context T: in each document (its token ids,
+    encode_ids), up to `per_file`
     consecutive blocks of `scored` tokens from position C = context_max (default T) on, each predicted after
     the T tokens before it (one window of T + scored tokens, its last `scored` positions scored); up to
     max_windows blocks in all. The next-token cross-entropy in bits over the UTF-8 bytes the blocks spell."""
     import math
     C = context_max or T
     bits, nbytes, seen = 0.0, 0, 0
-    for text in texts:
-        ids = tok.encode(text).ids
+    for ids in docs:
         for p in list(range(C, len(ids) - scored + 1, scored))[:per_file]:
             if seen == max_windows:
                 return bits / nbytes
@@ -538,6 +550,10 @@ def bits_per_byte(model, tok, texts, T, sparse, max_windows=128, scored=64, cont
             nbytes += len(tok.decode(ids[p:p + scored]).encode("utf-8"))
             seen += 1
     return bits / max(nbytes, 1)
+
+
+def encode_ids(tok, texts):  # -> each text's token ids, encoded once (in parallel) for every measure
+    return [e.ids for e in tok.encode_batch(texts)]
 
 
 def bzip2_bits_per_byte(texts):  # the same held-out text through bzip2 (level 9)

@@ -58,7 +58,7 @@ def recall_curves(maps, ks):  # -> {layer: (indexer recall per k, window recall 
 
 def held_out_prompt(tok, T, files=40):  # -> T tokens from the first held-out file long enough (never trained on)
     import train
-    for text in train.read_text(train.stdlib_files(held_out=True))[:files]:
+    for text in train.read_text(train.evaluation_files())[:files]:
         ids = tok.encode(text).ids
         if len(ids) >= 2 * T:
             return ids[T:2 * T]                                         # past the file's licence header
@@ -123,7 +123,7 @@ def plot_context(rows, K, window, path):  # rows: train.evaluate's (name, dense,
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot([c for c, _, _ in ctx], [d for _, d, _ in ctx], marker="o", label="dense attention")
     ax.plot([c for c, _, _ in ctx], [s for _, _, s in ctx], marker="s", ls="--", label="sparse (DSA top-k)")
-    ax.axhline(bz, color="gray", ls=":", label="bzip2 -9 on the same files")
+    ax.axhline(bz, color="gray", ls=":", label="bzip2 -9 on the held-out files, whole")
     for x, name in ((K, f"index_topk {K}"), (window, f"training window {window}")):
         ax.axvline(x, color="gray", lw=0.8)
         ax.text(x, ax.get_ylim()[0], f" {name}", color="gray", rotation=90, va="bottom", fontsize=8)
@@ -178,12 +178,20 @@ def main(argv=None):
             raise SystemExit(f"views: {ckpt / name} is missing (a folder train.py wrote has it)")
     if out.exists() and not out.is_dir():
         raise SystemExit(f"views: {out} exists and is not a folder")
+    rows = None
+    if a.eval:                                                           # checked before anything is drawn
+        try:
+            rows = [(str(n), float(d), float(s)) for n, d, s in json.loads(Path(a.eval).read_text())]
+        except (OSError, ValueError, TypeError) as e:
+            raise SystemExit(f"views: --eval {a.eval}: not train.py --evaluate's JSON rows ({e})")
     try:
         model = train.TrainModel.from_checkpoint(ckpt).eval()
     except checkpoint.LoadError as e:
         raise SystemExit(f"views: {e}")
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     K = model.args.index_topk
+    if not 2 <= a.tokens <= model.args.max_seq_len:
+        raise SystemExit(f"views: --tokens {a.tokens}: between 2 and the model's max_seq_len {model.args.max_seq_len}")
     out.mkdir(parents=True, exist_ok=True)
     say = lambda msg: print(f"views: {msg}", file=sys.stderr, flush=True)  # noqa: E731
 
@@ -193,9 +201,7 @@ def main(argv=None):
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if k <= a.tokens]
     plot_recall(recall_curves(maps, ks), ks, K, out / "recall.png")
     say(f"wrote {out / 'recall.png'}")
-    if a.eval:
-        rows = json.loads(Path(a.eval).read_text())
-    else:
+    if rows is None:
         say("evaluating held-out bits per byte at each context (train.py --evaluate's measure)")
         rows = train.evaluate(ckpt, n=0, files=None)                    # bits per byte only, no retrieval
     plot_context(rows, K, model.args.original_seq_len, out / "context.png")

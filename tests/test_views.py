@@ -53,6 +53,12 @@ def test_the_four_views_of_a_toy_checkpoint(tmp_path, capsys):
                        "--tokens", "40"])
     for name in ("attention", "recall", "context", "training"):
         assert (figs / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    (tmp_path / "bad.json").write_text('{"not": "rows"}')
+    for argv, said in ((["--eval", str(tmp_path / "bad.json")], "not train.py --evaluate's JSON rows"),
+                       (["--tokens", "0"], "--tokens 0")):
+        with pytest.raises(SystemExit, match=said):
+            views.main(["--ckpt", str(out), "--out", str(tmp_path / "fig3")] + argv)
+    assert not (tmp_path / "fig3").exists()
     (out / "train_log.json").unlink()
     with pytest.raises(SystemExit, match="train_log.json is missing"):
         views.main(["--ckpt", str(out), "--out", str(tmp_path / "fig2")])
