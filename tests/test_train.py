@@ -254,3 +254,22 @@ def test_bad_input_gets_one_line_and_touches_nothing(tmp_path, capsys):
             train.main(argv)
         assert e.value.code == 2 and said in capsys.readouterr().err
     assert [p.name for p in theirs.iterdir()] == ["notes.txt"] and not (tmp_path / "n").exists()
+
+
+def test_bits_per_byte_scores_each_token_by_the_prediction_before_it():
+    # a model that gives the true next token probability 1/2 costs exactly 1 bit per scored token; read one
+    # position off (a misaligned slice of logits or targets) it would cost about log2(2 (V - 1)) bits instead
+    import math
+    texts = train.read_text(train.stdlib_files(held_out=True)[:1])
+    tok = train.train_tokenizer(texts, 300)
+    V = tok.get_vocab_size()
+
+    def half_right(w, sparse=False):  # logits [1, L, V]: position t puts log(V - 1) on token w[t + 1]
+        logits = torch.zeros(1, w.shape[1], V)
+        logits[0, torch.arange(w.shape[1] - 1), w[0, 1:]] = math.log(V - 1)
+        return logits
+    ids, C, n = tok.encode(texts[0]).ids, 24, 16
+    blocks = list(range(C, len(ids) - n + 1, n))[:4]
+    want = 4 * n / sum(len(tok.decode(ids[p:p + n]).encode()) for p in blocks)
+    got = train.bits_per_byte(half_right, tok, [ids], C, False, max_windows=4, scored=n, per_file=4)
+    assert abs(got - want) <= 1e-5 * want
