@@ -129,14 +129,17 @@ def indexer_kl_dense(A, I):  # eq. (3): [..., T, H, S], [..., T, S] -> the summe
     return _kl(p, I, allowed)
 
 
+def topk_mask(I, K):  # [..., T, S] -> bool: S_t = Top-k(I_t) among the causal keys, ties to the lower index
+    T, S = I.shape[-2:]
+    c = causal(T, S, I.device)
+    order = torch.sort(-I.detach().masked_fill(~c, -float("inf")), dim=-1, stable=True).indices[..., :min(K, S)]
+    return torch.zeros(I.shape, dtype=torch.bool, device=I.device).scatter_(-1, order, True) & c
+
+
 def indexer_kl_sparse(A, I, K):  # eq. (4): the KL over the selected keys S_t = Top-k(I_t) (indexer.indexer_kl_sparse)
     """Top-k of the causal keys, ties toward the lower index (as indexer.topk_select_ref); the target p
     renormalised on S_t."""
-    T, S = I.shape[-2:]
-    c = causal(T, S, I.device)
-    masked = I.detach().masked_fill(~c, -float("inf"))
-    order = torch.sort(-masked, dim=-1, stable=True).indices[..., :min(K, S)]
-    sel = torch.zeros(I.shape, dtype=torch.bool, device=I.device).scatter_(-1, order, True) & c
+    sel = topk_mask(I, K)
     p = torch.where(sel, attention_target(A.detach()), 0)
     p = p / p.sum(-1, keepdim=True)
     return _kl(p, I, sel)
@@ -177,7 +180,6 @@ class TrainModel(torch.nn.Module):
     @classmethod
     def from_checkpoint(cls, path):  # a checkpoint this model exported (or any in the layout) -> its weights, fp32
         import checkpoint
-        import json
         import quant
         ck = checkpoint.Checkpoint(path)
         m = cls(json.loads((Path(path) / "config.json").read_text()))
@@ -302,11 +304,7 @@ def trainable(model, stage):  # -> the parameter names a stage trains
 
 
 def recall(A, I, K):  # the share of the main attention's mass (heads summed) on the indexer's top-k keys
-    T, S = I.shape[-2:]
-    c = causal(T, S, I.device)
-    order = torch.sort(-I.detach().masked_fill(~c, -float("inf")), dim=-1, stable=True).indices[..., :min(K, S)]
-    sel = torch.zeros(I.shape, dtype=torch.bool, device=I.device).scatter_(-1, order, True) & c
-    return float((attention_target(A.detach()) * sel).sum(-1).mean())
+    return float((attention_target(A.detach()) * topk_mask(I, K)).sum(-1).mean())
 
 
 def step_loss(model, tokens, stage):  # -> (loss to minimise, log: language-model loss, indexer KL, recall)

@@ -30,13 +30,10 @@ def attention_maps(model, tokens):  # tokens [T] -> per layer (p [T, S] float64,
     return [(train.attention_target(A)[0].double().cpu().numpy(), I[0].double().cpu().numpy()) for A, I in seen]
 
 
-def top_k_keys(I, K):  # [T, S] scores over causal keys -> [T, S] bool: S_t = Top-k(I_t), ties to the lower index
+def top_k_keys(I, K):  # [T, S] scores, the last T keys the queries -> [T, S] bool: S_t = Top-k(I_t), eq. (2)
+    import indexer
     T, S = I.shape
-    causal = np.arange(S)[None, :] <= np.arange(S - T, S)[:, None]
-    order = np.argsort(-np.where(causal, I, -np.inf), axis=-1, kind="stable")[:, :K]
-    sel = np.zeros((T, S), bool)
-    np.put_along_axis(sel, order, True, -1)
-    return sel & causal
+    return indexer.topk_select_ref(I[None], K, S - T)[0]
 
 
 def recall_at(p, sel):  # the mean over queries of p's mass on the selected keys
