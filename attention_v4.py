@@ -69,6 +69,30 @@ def attention_ref(q, keys, allowed, sink, scale, official=False):  # [B,T,H,c], 
     return quant.bf16_round(o.astype(np.float32) / denom).transpose(0, 2, 1, 3)   # bf16 P, fp32 sums
 
 
+def sparse_attention_ref(q, KW, KC, idx, n_dense, sink, scale, official=False):
+    """The sparse kernel's contract (kernels_v4.sparse_attention): the same attention as attention_ref,
+    its keys named by position instead of by a mask. q [B, T, H, c]; KW [B, P, c] the window's keys
+    (the ring's and the chunk's own), KC [B, n, c] the compressed keys; idx [B, T, K] int: query t's
+    keys in the joined rows [KW | KC] (a window key s, a selected compressed key P + w), -1 padded, each
+    at most once; n_dense [T] int: query t also attends KC[:n_dense[t]] (HCA's complete windows; 0 for
+    CSA, whose picks are in idx, and for sliding-window layers). -> [B, T, H, c]."""
+    B, T, _, _ = q.shape
+    P, n = KW.shape[1], KC.shape[1]
+    keys = np.concatenate([KW, KC], 1)                                           # [B, P + n, c]
+    allowed = np.zeros((B, T, P + n), bool)
+    b, t, j = np.nonzero(idx >= 0)
+    allowed[b, t, idx[b, t, j]] = True
+    allowed[:, :, P:] |= np.arange(n)[None, None, :] < np.asarray(n_dense)[None, :, None]
+    return attention_ref(q, keys, allowed, sink, scale, official)
+
+
+def window_indices_ref(T, P, W):  # -> [T, W] int: query t's window keys as rows of KW = [P ring keys | T chunk keys]
+    """Row s of KW holds position start_pos - P + s; query t (position start_pos + t) sees rows
+    t + P - W < s <= t + P (window_mask_ref), -1 where that runs before the first row."""
+    s = np.arange(T)[:, None] + P - W + 1 + np.arange(W)[None, :]
+    return np.where(s >= 0, s, -1)
+
+
 def rms_norm_bf16(x, eps):  # [..., c] -> [..., c]: the official per-head q norm, every step in bf16
     """q * rsqrt(mean(q²) + eps) on a bf16 tensor: q² rounded to bf16, the mean accumulated in fp32 and
     rounded, + eps, rsqrt and the product each rounded to bf16."""

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_fp8 import _bf16_round, _e4m3_decode
+from kernels_fp8 import _bf16_round, _e4m3_decode, _interpreted, sm_count
 
 
 # -----------------------------------------------------------------------------
@@ -198,3 +198,113 @@ def fp4_gemm(a, sa, packed, sb, fnuz=False):  # [M, K] e4m3, [M, K/128], [N, K/2
         a.contiguous().view(torch.uint8), sa.float().contiguous(), packed.contiguous().view(torch.uint8),
         sb.float().contiguous(), c, M, N, K, FNUZ=fnuz, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
     return c
+
+
+# -----------------------------------------------------------------------------
+# attention_v4.sparse_attention_ref: shared-KV attention with a sink over listed and dense keys.
+# Official numerics round each probability exp(z - m) to bf16 against the row's final max m, which an
+# online softmax does not know while it runs; so two launches: the first finds each split's max, the
+# second (with the max over splits) sums exp(z - m) and bf16(exp(z - m)) · κ; torch combines the splits.
+
+@triton.jit
+def _sink_attention_kernel(Q, KW, KC, IDX, ND, MX, L, ACC, T, H, P, NC, KSEL, CHUNK, scale,
+                           C: tl.constexpr, PASS: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Reference: attention_v4.sparse_attention_ref. One program per (query, BLOCK_H heads, split); the
+    split covers CHUNK of the query's virtual keys v: v < KSEL the listed row IDX[v] of [KW | KC], then
+    KC[v - KSEL] while v - KSEL < ND[t]. PASS 1 stores the split's max logit; PASS 2 reads the row's max
+    from MX[.., 0] and stores Σ e and Σ p κ (e = exp(z - m), p = bf16(e) when ROUND)."""
+    bt = tl.program_id(0)
+    b, t = bt // T, bt % T
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    cs = tl.arange(0, C)
+    in_h = h < H
+    q = tl.load(Q + (bt * H + h[:, None]).to(tl.int64) * C + cs[None, :], mask=in_h[:, None], other=0.0)   # [BH, c]
+    if BF16:
+        q = q.to(tl.bfloat16)
+    nd = tl.load(ND + t)
+    v0 = split * CHUNK
+    v1 = tl.minimum(v0 + CHUNK, KSEL + nd)
+    if PASS == 1:
+        mx = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    else:
+        mx = tl.load(MX + (bt * H + h) * 1, mask=in_h, other=0.0)                    # the row's max [BH]
+        l = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, C), tl.float32)
+    for s0 in range(v0, v1, BLOCK_S):
+        v = s0 + tl.arange(0, BLOCK_S)
+        listed = v < KSEL
+        row = tl.load(IDX + bt.to(tl.int64) * KSEL + v, mask=listed & (v < v1), other=-1)
+        row = tl.where(listed, row, P + v - KSEL)                                    # dense: KC[v - KSEL]
+        ok = (v < v1) & (row >= 0)
+        in_w = row < P
+        kw = tl.load(KW + (b * P + row[:, None]).to(tl.int64) * C + cs[None, :], mask=(ok & in_w)[:, None], other=0.0)
+        kc = tl.load(KC + (b * NC + row[:, None] - P).to(tl.int64) * C + cs[None, :], mask=(ok & ~in_w)[:, None],
+                     other=0.0)
+        k = kw + kc                                                                  # κ rows [BS, c]
+        if BF16:
+            k = k.to(tl.bfloat16)
+            z = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+        else:
+            z = tl.dot(q, tl.trans(k), input_precision="ieee")
+        z = tl.where(ok[None, :], z * scale, float("-inf"))                          # [BH, BS]
+        if PASS == 1:
+            mx = tl.maximum(mx, tl.max(z, 1))
+        else:
+            e = tl.exp(z - mx[:, None])                                              # 0 where masked
+            l += tl.sum(e, 1)
+            if ROUND:
+                e = _bf16_round(e)
+            if BF16:
+                acc = tl.dot(e.to(tl.bfloat16), k, acc, out_dtype=tl.float32)
+            else:
+                acc = tl.dot(e, k, acc, input_precision="ieee")
+    part = (bt * H + h) * tl.num_programs(2) + split                                 # [B T, H, splits]
+    if PASS == 1:
+        tl.store(MX + part, mx, mask=in_h)
+    else:
+        tl.store(L + part, l, mask=in_h)
+        tl.store(ACC + part[:, None].to(tl.int64) * C + cs[None, :], acc, mask=in_h[:, None])
+
+
+def sparse_attention(q, KW, KC, idx, n_dense, sink, scale, official=False, splits=None):
+    """attention_v4.sparse_attention_ref: q [B, T, H, c], KW [B, P, c], KC [B, n, c], idx [B, T, K] int
+    (-1 padded), n_dense [T] int, sink [H] -> o [B, T, H, c] float32 (bf16 values when official).
+    splits: programs per (query, head block) over its keys (default: enough to fill the GPU)."""
+    B, T, H, c = q.shape
+    K = idx.shape[-1]
+    if c & (c - 1) or KW.shape[::2] != (B, c) or KC.shape[::2] != (B, c) or idx.shape[:2] != (B, T) \
+            or n_dense.shape != (T,) or sink.shape != (H,):
+        raise ValueError(f"sparse_attention: q {tuple(q.shape)} (c a power of two), KW {tuple(KW.shape)}, "
+                         f"KC {tuple(KC.shape)}, idx {tuple(idx.shape)}, n_dense {tuple(n_dense.shape)}, "
+                         f"sink {tuple(sink.shape)} do not agree")
+    dev = q.device
+    BLOCK_H, BLOCK_S = 16, (32 if c <= 128 else 16)                               # [16, c] tiles: q, κ, acc
+    hb = triton.cdiv(H, BLOCK_H)
+    n_max = int(n_dense.max()) if T else 0
+    keys = K + n_max                                                              # the longest query's keys
+    if splits is None:
+        splits = max(1, min(triton.cdiv(keys, 4 * BLOCK_S), triton.cdiv(2 * sm_count(dev), B * T * hb)))
+    chunk = triton.cdiv(triton.cdiv(max(keys, 1), splits), BLOCK_S) * BLOCK_S
+    splits = triton.cdiv(max(keys, 1), chunk)
+    args = (q.float().contiguous(), KW.float().contiguous(), KC.float().contiguous(),
+            idx.to(torch.int32).contiguous(), n_dense.to(torch.int32).contiguous())
+    mx = torch.empty(B * T, H, splits, dtype=torch.float32, device=dev)
+    l = torch.empty(B * T, H, splits, dtype=torch.float32, device=dev)
+    acc = torch.empty(B * T, H, splits, c, dtype=torch.float32, device=dev)
+    bf16 = bool(official) and not _interpreted()                                   # bf16 values: exact products
+    meta = dict(C=c, ROUND=bool(official), BF16=bf16, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, num_warps=8 if c > 128 else 4)
+    grid = (B * T, hb, splits)
+    _sink_attention_kernel[grid](*args, mx, l, acc, T, H, KW.shape[1], KC.shape[1], K, chunk, float(scale), PASS=1, **meta)
+    m = mx.amax(-1)                                                                # [B T, H]
+    sink = sink.float()
+    m = torch.where(torch.isfinite(m), m, 0.0) if official else torch.maximum(m, sink[None])
+    _sink_attention_kernel[grid](*args, m.contiguous(), l, acc, T, H, KW.shape[1], KC.shape[1], K, chunk,
+                                 float(scale), PASS=2, **meta)
+    o = acc.sum(2) / (l.sum(2) + torch.exp(sink[None] - m))[..., None]               # [B T, H, c]
+    return (_round(o) if official else o).reshape(B, T, H, c)
+
+
+def _round(x):  # fp32 -> its nearest bf16 values, as fp32
+    return x.to(torch.bfloat16).float()

@@ -106,3 +106,76 @@ def test_fp4_gemm_kernel(M, N, Kb, spread, e_lo, fnuz, seed):
     mag = quant.fp4_gemm((codes & 0x7F).view(quant.E4M3), sa, packed & 0x77, sb)          # sum of |terms|, a bound
     got = kernels_v4.fp4_gemm(t(codes), t(sa * (2 if fnuz else 1)), t(packed), t(sb), fnuz=fnuz).cpu().numpy()
     assert np.all(np.abs(got - want) <= 2.0 ** -20 * mag)
+
+
+def draw_sparse(rng, B, T, H, c, P, n, K, official):  # q, window and compressed keys, keys listed and dense
+    rnd = quant.bf16_round if official else quant.no_round
+    q = rnd(rng.standard_normal((B, T, H, c)).astype(np.float32))
+    KW, KC = (rnd(rng.standard_normal((B, r, c)).astype(np.float32)) for r in (P, n))
+    n_dense = rng.integers(0, n + 1, T)
+    idx = np.full((B, T, K), -1)
+    for b in range(B):
+        for t in range(T):
+            free = np.concatenate([np.arange(P), P + np.arange(n_dense[t], n)])   # never a dense key twice
+            pick = rng.choice(free, min(len(free), rng.integers(0, K + 1)), replace=False)
+            idx[b, t, rng.choice(K, len(pick), replace=False)] = pick             # -1 anywhere in the list
+    sink = (rng.standard_normal(H) * 2).astype(np.float32)
+    return q, KW, KC, idx, n_dense, sink
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 2), st.integers(1, 5), st.integers(1, 20), st.sampled_from([64, 128]), st.integers(0, 40),
+       st.integers(0, 90), st.integers(1, 48), st.booleans(), st.sampled_from([None, 1, 3]), st.integers(0, 2 ** 31))
+def test_sparse_attention_kernel(B, T, H, c, P, n, K, official, splits, seed):
+    # the reference sums in float64 and the kernel in fp32 (splits combined after), and the logits' last bit
+    # may differ: a probability then rounds to the other bf16 neighbour (official), moving the output by at
+    # most 2^-8 of that key's term; otherwise one bf16 ulp of the output
+    import attention_v4
+    rng = np.random.default_rng(seed)
+    q, KW, KC, idx, n_dense, sink = draw_sparse(rng, B, T, H, c, max(P, 1), n, K, official)
+    scale = c ** -0.5
+    want = attention_v4.sparse_attention_ref(q, KW, KC, idx, n_dense, sink, scale, official)
+    got = kernels_v4.sparse_attention(t(q), t(KW), t(KC), t(idx), t(n_dense), t(sink), scale, official,
+                                      splits).cpu().numpy()
+    keys = np.concatenate([KW, KC], 1).astype(np.float64)
+    z = np.einsum("bthc,bsc->bths", q.astype(np.float64), keys) * scale
+    allowed = np.zeros(z.shape[:2] + z.shape[3:], bool)                       # [B, T, S] from the lists
+    bb, tt, jj = np.nonzero(idx >= 0)
+    allowed[bb, tt, idx[bb, tt, jj]] = True
+    allowed[:, :, KW.shape[1]:] |= np.arange(KC.shape[1])[None, None] < n_dense[None, :, None]
+    z = np.where(allowed[:, :, None], z, -np.inf)
+    m = np.maximum(z.max(-1, keepdims=True), sink[None, None, :, None])
+    e = np.exp(z - m)
+    p = e / (e.sum(-1, keepdims=True) + np.exp(sink[None, None, :, None] - m))   # [B, T, H, S]
+    term = p[..., None] * np.abs(keys)[:, None, None]                          # [B, T, H, S, c]
+    mag, top = term.sum(3), term.max(3)
+    exact = np.einsum("bths,bsc->bthc", p, keys)
+    assert got.shape == want.shape
+    if official:
+        assert np.array_equal(got, quant.bf16_round(got))
+        assert np.all(np.abs(got - want) <= bf16_ulp(exact) * 1.0001 + 2.0 ** -7 * top + 2.0 ** -20 * mag)
+    else:
+        assert np.all(np.abs(got - exact) <= 2.0 ** -19 * mag + 1e-30)
+
+
+def test_sparse_attention_at_v4_flash_width():
+    # V4-Flash's decode shape: 64 heads of 512 against a 128-key window and 512 picks (here 40 of them)
+    import attention_v4
+    rng = np.random.default_rng(7)
+    q, KW, KC, idx, n_dense, sink = draw_sparse(rng, 1, 1, 64, 512, 128, 60, 168, True)
+    want = attention_v4.sparse_attention_ref(q, KW, KC, idx, n_dense, sink, 512 ** -0.5, True)
+    got = kernels_v4.sparse_attention(t(q), t(KW), t(KC), t(idx), t(n_dense), t(sink), 512 ** -0.5, True).cpu().numpy()
+    assert np.abs(got - want).max() <= 2 * bf16_ulp(np.abs(want).max())
+
+
+def test_window_indices_are_the_window_mask():
+    import attention_v4
+    for T, P, W in ((1, 0, 4), (1, 3, 4), (7, 3, 4), (9, 0, 16), (3, 15, 16)):
+        start = P + 5
+        pos = start - P + np.arange(P + T)
+        mask = attention_v4.window_mask_ref(T, start, pos, W)
+        idx = attention_v4.window_indices_ref(T, P, W)
+        got = np.zeros_like(mask)
+        tt, jj = np.nonzero(idx >= 0)
+        got[tt, idx[tt, jj]] = True
+        assert np.array_equal(got, mask), (T, P, W)
