@@ -84,7 +84,9 @@ def linear(x, W, official, *, kern=None):  # quant.linear_ref: [..., K], Weight 
 
 def fp8_linear(q, s, W, *, kern=None):  # act_quant's [M, K] codes and scales times an FP8 weight -> [M, N] bf16 values
     if W.w.dtype == torch.uint8:                                        # V4's FP4 experts (quant.fp4_gemm)
-        return bf16_round(quant_torch.fp4_gemm(q, s, W.w, W.scale), kern=kern)
+        y = kern.fp4_gemm(q, s, W.w, W.scale, fnuz=q.dtype == torch.float8_e4m3fnuz) if kern is not None \
+            else quant_torch.fp4_gemm(q, s, W.w, W.scale)
+        return bf16_round(y, kern=kern)
     if kern is not None:
         y = kern.fp8_gemm(q, s, W.w, W.scale)                            # bf16 out, as the official kernel
     else:
@@ -139,7 +141,7 @@ def _whole(Ws):  # row blocks of one weight, as fuse_rows lays them out -> (that
 
 def weight(W, *, device, kern=None):  # a checkpoint Weight -> device tensors, in the kernels' storage (e4m3fnuz on gfx942)
     w, s = to_torch(W.w, device), None if W.scale is None else to_torch(W.scale, device)
-    if s is not None and kern is not None:
+    if s is not None and kern is not None and w.dtype != torch.uint8:      # FP4 (V4's experts): its own bytes
         w, s = kern.prepare_weight(w, s)
     return quant.Weight(w, s)
 
@@ -546,6 +548,13 @@ def f64(fn, *xs):  # fn of float64 copies, rounded to float32
     return fn(*(x.double() for x in xs)).float()
 
 
+def hc_mix_pre(X, fn, base, scale, args, official=False, *, v4k=None):  # mhc.hc_mix_pre_ref
+    if v4k is not None:                                 # one launch: mixes, Sinkhorn and the collapse
+        return v4k.hc_mix_pre(X, fn, base, scale, args, official)
+    pre, post, comb = hc_mixes(X, fn, base, scale, args, official)
+    return pre, post, comb, hc_pre(X, pre, bf16_round if official else no_round)
+
+
 def hc_mixes(X, fn, base, scale, args, official=False):  # mhc.hc_mixes_ref
     M, n, d = X.shape
     x = X.float().reshape(M, n * d)
@@ -570,7 +579,10 @@ def hc_pre(X, pre, rnd=no_round):  # mhc.hc_pre_ref
     return rnd(f64(lambda p, x: torch.einsum("mn,mnd->md", p, x), pre, X))
 
 
-def hc_post(X, y, post, comb, rnd=no_round):  # mhc.hc_post_ref
+def hc_post(X, y, post, comb, official=False, *, v4k=None):  # mhc.hc_post_ref
+    if v4k is not None:
+        return v4k.hc_post(X, y, post, comb, official)
+    rnd = bf16_round if official else no_round
     return rnd(post[:, :, None] * y[:, None, :] + f64(lambda c, x: torch.einsum("mij,mid->mjd", c, x), comb, X))
 
 
@@ -636,19 +648,32 @@ def index_fp4(x):  # compressor.index_fp4_ref: Hadamard, then FP4 per 32, in bf1
     return bf16_round(quant_torch.fp4_roundtrip(bf16_round(rotate_activation(x))))
 
 
-def indexer_select_v4(x, qr, p, K_idx, start_pos, cos, sin, args, official=False):  # compressor.indexer_select_ref
+def indexer_select_v4(x, qr, p, K_idx, start_pos, cos, sin, args, official=False, *, v4k=None, kern=None):
+    """compressor.indexer_select_ref -> [B, T, n] bool; with the kernels (v4k) -> [B, T, k] the picks'
+    indices into K_idx, -1 where a query has fewer complete windows than k (the kernel's contract)."""
+    lin = partial(linear, kern=kern)
     B, T, _ = x.shape
     J, D = args.index_n_heads, args.index_head_dim
-    q = rope_tail(linear(qr, p["wq_b"], official).reshape(B, T, J, D), cos, sin)
+    q = rope_tail(lin(qr, p["wq_b"], official).reshape(B, T, J, D), cos, sin)
     if not official:
-        w = linear(x, p["weights_proj"], False) * np.float32(J ** -0.5) * np.float32(D ** -0.5)
-        I = index_scores(q, w, K_idx, torch.ones(K_idx.shape[:2], device=x.device))
+        w = lin(x, p["weights_proj"], False) * np.float32(J ** -0.5) * np.float32(D ** -0.5)
     else:
         q = index_fp4(bf16_round(q))
         w = bf16_round(bf16_round(quant_torch.matmul_f32(x, dequant(p["weights_proj"]).T)) * np.float32(J ** -0.5 * D ** -0.5))
+    n = K_idx.shape[1]
+    if v4k is not None:                                 # eq. (16) with the causal rule, then eq. (17)
+        I = v4k.index_scores_v4(q, w, K_idx, start_pos, 4, official)                # -inf past the complete windows
+        k = min(args.index_topk, n)
+        if k == 0:
+            return torch.full((B, T, 0), -1, dtype=torch.int32, device=x.device)
+        idx = v4k.topk_indices(I, k, n)                 # every key "causal" to the V3.2 kernel: the -inf decide
+        vis = ((start_pos + torch.arange(T, device=x.device) + 1) // 4)[None, :, None]
+        return torch.where(idx < vis, idx, -1)
+    if not official:
+        I = index_scores(q, w, K_idx, torch.ones(K_idx.shape[:2], device=x.device))
+    else:
         qk = bf16_round(f64(lambda a, b: torch.einsum("btjd,bsd->btjs", a, b), q, K_idx))
         I = bf16_round(f64(lambda v: v.sum(2), bf16_round(qk.clamp_min(0) * w[..., None])))
-    n = K_idx.shape[1]
     visible = torch.arange(n, device=x.device)[None, :] < ((start_pos + torch.arange(T, device=x.device) + 1) // 4)[:, None]
     masked = I.masked_fill(~visible[None], -float("inf"))
     order = torch.sort(-masked, dim=-1, stable=True).indices[..., :min(args.index_topk, n)]   # ties: lower index
@@ -656,22 +681,25 @@ def indexer_select_v4(x, qr, p, K_idx, start_pos, cos, sin, args, official=False
     return sel & visible[None]
 
 
-def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, official=False):
-    """attention_v4.attention_v4_forward, step for step in torch."""
+def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, official=False, *, v4k=None, kern=None):
+    """attention_v4.attention_v4_forward, step for step in torch; with the kernels (v4k) the CSA indexer's
+    scores and picks and the attention itself run as kernels_v4's, the keys named by index (the window's
+    rows, the picks, HCA's dense prefix) instead of masked."""
+    lin = partial(linear, kern=kern)
     B, T, _ = x.shape
     H, c, W, R, eps = args.num_attention_heads, args.head_dim, args.sliding_window, args.qk_rope_head_dim, args.rms_norm_eps
     dev = x.device
     rnd = bf16_round if official else no_round
     cos, sin = (torch.from_numpy(a).to(dev) for a in rope.rope_angles(freqs, start_pos + np.arange(T)))
-    qr = v4_norm(linear(x, p["wq_a"], official), p["q_norm"], eps, rnd)
-    q = linear(qr, p["wq_b"], official).reshape(B, T, H, c)
+    qr = v4_norm(lin(x, p["wq_a"], official), p["q_norm"], eps, rnd)
+    q = lin(qr, p["wq_b"], official).reshape(B, T, H, c)
     if official:                                        # attention_v4.rms_norm_bf16: every step in bf16
         ms = bf16_round(f64(lambda v: v.mean(-1, keepdim=True), bf16_round(q * q)))
         q = bf16_round(q * bf16_round(1 / torch.sqrt(bf16_round(ms + eps))))
     else:
         q = v4_norm(q, None, eps)
     q = rnd(rope_tail(q, cos, sin))
-    kv = v4_norm(linear(x, p["wkv"], official), p["kv_norm"], eps, rnd)
+    kv = v4_norm(lin(x, p["wkv"], official), p["kv_norm"], eps, rnd)
     kv = rnd(rope_tail(kv[:, :, None], cos, sin)[:, :, 0])
     kv = kv_fp8(kv, R) if official else kv
     P = min(start_pos, W - 1)
@@ -686,15 +714,23 @@ def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, offi
                  (lambda K: kv_fp8(K, R)) if official else None)
         K = cache.comp.keys
         n = K.shape[1]
-        if kind == "heavily_compressed_attention" or not sparse:
-            comp = (torch.arange(n, device=dev)[None] < (t + 1) // m)[None].expand(B, T, n)
-        else:
+        dense = kind == "heavily_compressed_attention" or not sparse
+        if not dense:
             compress(x, p["indexer"]["compressor"], m, True, start_pos, freqs, eps, cache.idx, rnd,
                      index_fp4 if official else None)
-            comp = indexer_select_v4(x, qr, p["indexer"], cache.idx.keys, start_pos, cos, sin, args, official)
-            cache.selected = comp                                                       # for --verify
+            picks = indexer_select_v4(x, qr, p["indexer"], cache.idx.keys, start_pos, cos, sin, args, official, v4k=v4k,
+                                      kern=kern)
+        if v4k is not None:
+            return attention_v4_kernels(q, keys, K, picks if not dense else None, m if dense else 0, start_pos, p,
+                                        args, cache, cos, sin, official, v4k, kern)
+        if dense:
+            comp = (torch.arange(n, device=dev)[None] < (t + 1) // m)[None].expand(B, T, n)
+        else:
+            comp = cache.selected = picks                                              # for --verify
         keys = torch.cat([keys, K], 1)
         allowed = torch.cat([allowed, comp], -1)
+    elif v4k is not None:
+        return attention_v4_kernels(q, keys, keys[:, :0], None, 0, start_pos, p, args, cache, cos, sin, official, v4k, kern)
     z = f64(lambda a, b: torch.einsum("bthc,bsc->bhts", a, b), q, keys) * np.float32(args.softmax_scale)
     z = z.masked_fill(~allowed[:, None], -float("inf"))
     sink = p["attn_sink"][:, None, None]
@@ -709,15 +745,40 @@ def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, offi
         mx = torch.maximum(z.amax(-1, keepdim=True), sink)
         e = f64(torch.exp, z - mx)
         o = torch.einsum("bhts,bsc->bthc", e / (e.sum(-1, keepdim=True) + f64(torch.exp, sink - mx)), keys)
+    return v4_output(o, p, args, cos, sin, official, kern)
+
+
+def attention_v4_kernels(q, KW, KC, picks, m, start_pos, p, args, cache, cos, sin, official, v4k, kern=None):
+    """The attention of attention_v4 through kernels_v4.sparse_attention: q [B, T, H, c]; KW [B, P + T, c]
+    the window's keys; KC [B, n, c] the compressed keys; picks [B, T, k] the CSA indexer's (or None);
+    m > 0: every complete window of m tokens is attended (HCA, or dense CSA)."""
+    B, T = q.shape[:2]
+    P, dev = KW.shape[1] - T, q.device
+    s = torch.arange(T, device=dev)[:, None] + P - args.sliding_window + 1 + torch.arange(args.sliding_window, device=dev)
+    idx = torch.where(s >= 0, s, -1)[None].expand(B, T, -1)                       # attention_v4.window_indices_ref
+    if picks is not None:
+        sel = torch.zeros(B, T, KC.shape[1] + 1, dtype=torch.bool, device=dev)    # for --verify: a mask
+        cache.selected = sel.scatter_(-1, torch.where(picks >= 0, picks, KC.shape[1]).long(), True)[..., :-1]
+        idx = torch.cat([idx, torch.where(picks >= 0, picks + KW.shape[1], -1)], -1)
+    n_dense = (start_pos + torch.arange(T, device=dev) + 1) // m if m else torch.zeros(T, dtype=torch.long, device=dev)
+    o = v4k.sparse_attention(q, KW, KC, idx, n_dense, p["attn_sink"], args.softmax_scale, official)
+    return v4_output(o, p, args, cos, sin, official, kern)
+
+
+def v4_output(o, p, args, cos, sin, official, kern=None):  # o [B, T, H, c] -> RoPE_{-t}, then the grouped projection [B, T, d]
+    lin = partial(linear, kern=kern)
+    B, T = o.shape[:2]
+    rnd = bf16_round if official else no_round
     o = rnd(rope_tail(o, cos, -sin))
     g = args.o_groups
     og = o.reshape(B, T, g, -1)
     Wa = dequant(p["wo_a"]).reshape(g, -1, og.shape[-1])
     zg = f64(lambda a, b: torch.einsum("btgk,gok->btgo", a, b), og, Wa).reshape(B, T, -1)
-    return linear(bf16_round(zg) if official else zg, p["wo_b"], official)
+    return lin(bf16_round(zg) if official else zg, p["wo_b"], official)
 
 
-def moe_v4(x, p, args, official, tokens, weight_inside=False):  # moe.moe_ref, V4's: hash routing, clamp, weight
+def moe_v4(x, p, args, official, tokens, weight_inside=False, *, kern=None):  # moe.moe_ref, V4's: hash routing, clamp, weight
+    lin = partial(linear, kern=kern)
     logits = quant_torch.matmul_f32(x.float(), p["gate"].w.float().T)
     act = (lambda v: torch.sqrt(torch.nn.functional.softplus(v))) if args.scoring_func == "sqrtsoftplus" else torch.sigmoid
     s = f64(act, logits)
@@ -732,9 +793,9 @@ def moe_v4(x, p, args, official, tokens, weight_inside=False):  # moe.moe_ref, V
     lim = args.swiglu_limit
 
     def ffn(h, q, weight=None):  # moe.mlp_ref with the clamp
-        a, b = linear(h, q["w1"], official).clamp(max=lim), linear(h, q["w3"], official).clamp(-lim, lim)
+        a, b = lin(h, q["w1"], official).clamp(max=lim), lin(h, q["w3"], official).clamp(-lim, lim)
         y = f64(torch.nn.functional.silu, a) * b
-        return linear(rnd(y if weight is None else y * weight[:, None]), q["w2"], official)
+        return lin(rnd(y if weight is None else y * weight[:, None]), q["w2"], official)
 
     y = torch.zeros(x.shape, device=x.device)
     for e in torch.unique(idx).tolist():                # ascending expert id, fp32 sum
@@ -750,13 +811,14 @@ def moe_v4(x, p, args, official, tokens, weight_inside=False):  # moe.moe_ref, V
 # -----------------------------------------------------------------------------
 # The table
 
-def torch_ops(device, kernels=True, dsa=None):
-    """The op table (ops.Ops) for one device; kernels=False: plain torch. dsa: the module whose DSA
-    kernels to use (default: the GPU's kernel module); tests pass kernels_cuda on the CPU to run the
-    model's DSA path in the Triton interpreter."""
+def torch_ops(device, kernels=True, dsa=None, v4=None):
+    """The op table (ops.Ops) for one device; kernels=False: plain torch. dsa, v4: the modules whose DSA
+    and V4 kernels to use (default: the GPU's kernel module); tests pass kernels_cuda on the CPU to run
+    the models' kernel paths in the Triton interpreter."""
     device = torch.device(device)
     kern = kernels_for(device) if kernels else None
-    dsa = dsa or kern
+    dsa, v4 = dsa or kern, v4 or kern
+    V = dict(v4k=v4)
     K = dict(kern=kern)
     prep = dsa is not None and dsa.fp8_stores()                          # gfx90a: no FP8 stores in Triton
     return Ops(
@@ -785,8 +847,9 @@ def torch_ops(device, kernels=True, dsa=None):
         store_latent=partial(store_latent, **K) if dsa else None,
         latent_attention=partial(latent_attention, dsa=dsa, **K) if dsa else None,
         selection_mask=selection_mask if dsa else None,
-        hc_mixes=hc_mixes, hc_pre=hc_pre, hc_post=hc_post, hc_head=partial(hc_head, **K), v4_norm=v4_norm,
-        v4_attention=attention_v4, v4_moe=moe_v4, matmul_f32=quant_torch.matmul_f32,
+        hc_mix_pre=partial(hc_mix_pre, **V), hc_post=partial(hc_post, **V), hc_head=partial(hc_head, **K),
+        v4_norm=v4_norm, v4_attention=partial(attention_v4, **V, **K), v4_moe=partial(moe_v4, **K),
+        matmul_f32=quant_torch.matmul_f32,
         v4_zeros=lambda shape: torch.zeros(shape, device=device),
     )
 

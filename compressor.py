@@ -111,12 +111,21 @@ def indexer_select_ref(x, qr, p, K_idx, start_pos, cos, sin, args, official=Fals
     if not official:
         w = quant.linear_ref(x, p["weights_proj"], False) * np.float32(J ** -0.5) * np.float32(D ** -0.5)
         # not in paper: 1 / sqrt(c^I) folded into the head weights, as V3.2's (index_scores_ref has no scale)
-        I = indexer.index_scores_ref(q, w, K_idx, np.ones(K_idx.shape[:2], np.float32))   # eq. (16) [B, T, n]
-    else:                                               # bf16 q, keys, weights; bf16 GEMM, ReLU, head sum
+    else:                                               # bf16 q and weights
         rnd = quant.bf16_round
         q = index_fp4_ref(rnd(q))
         xw = rnd(quant.matmul_f32(x, p["weights_proj"].dequant().T))                    # a bf16 GEMM
         w = rnd(xw * np.float32(J ** -0.5 * D ** -0.5))                                   # [B, T, J]
-        qk = rnd(np.einsum("btjd,bsd->btjs", q, K_idx))                                  # [B, T, J, n]
-        I = rnd((rnd(np.maximum(qk, 0) * w[..., None])).sum(2))
+    I = index_scores_v4_ref(q, w, K_idx, official)                                       # eq. (16) [B, T, n]
     return indexer.topk_select_ref(I, args.index_topk, start_pos, ratio=4)           # eq. (17), complete windows
+
+
+def index_scores_v4_ref(q, w, K_idx, official=False):  # [B, T, J, D], [B, T, J], [B, n, D] -> I [B, T, n]
+    """Eq. (16) with the scales folded into w. Official numerics (bf16 tensors in the official code):
+    each head's q . K rounded to bf16, ReLU times w rounded to bf16, the heads summed in fp32 in head
+    order and the sum rounded to bf16."""
+    if not official:
+        return indexer.index_scores_ref(q, w, K_idx, np.ones(K_idx.shape[:2], np.float32))
+    rnd = quant.bf16_round
+    qk = rnd(np.einsum("btjd,bsd->btjs", q, K_idx))                                      # [B, T, J, n]
+    return rnd((rnd(np.maximum(qk, 0) * w[..., None])).sum(2))

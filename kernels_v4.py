@@ -308,3 +308,62 @@ def sparse_attention(q, KW, KC, idx, n_dense, sink, scale, official=False, split
 
 def _round(x):  # fp32 -> its nearest bf16 values, as fp32
     return x.to(torch.bfloat16).float()
+
+
+# -----------------------------------------------------------------------------
+# compressor.index_scores_v4_ref: the CSA indexer's scores over compressed keys, eq. (16), with V4's
+# causal rule (key w once its window of m tokens is complete) applied here: -inf beyond it, so that
+# kernels_cuda.topk_indices can pick from the scores as they are.
+
+@triton.jit
+def _index_scores_v4_kernel(Q, W, KI, I, T, J, N, start_pos, m, D: tl.constexpr, OFFICIAL: tl.constexpr,
+                            BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Reference: compressor.index_scores_v4_ref (then -inf where w >= (start_pos + t + 1) // m). One
+    program per (batch row, BLOCK_T queries, BLOCK_N keys); the heads in order, summed in fp32."""
+    b = tl.program_id(0)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    w_ = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ds = tl.arange(0, D)
+    in_t = t < T
+    vis = (start_pos + t + 1) // m                                                # complete windows [BLOCK_T]
+    I_ptr = I + (b * T + t[:, None]).to(tl.int64) * N + w_[None, :]
+    if tl.program_id(2) * BLOCK_N >= tl.max(tl.where(in_t, vis, 0), 0):          # no query sees this block
+        tl.store(I_ptr, tl.full((BLOCK_T, BLOCK_N), float("-inf"), tl.float32), mask=in_t[:, None] & (w_[None, :] < N))
+    else:
+        k = tl.load(KI + (b * N + w_[:, None]).to(tl.int64) * D + ds[None, :], mask=(w_ < N)[:, None], other=0.0)
+        if BF16:
+            k = k.to(tl.bfloat16)
+        acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+        for j in range(J):
+            q = tl.load(Q + ((b * T + t[:, None]) * J + j).to(tl.int64) * D + ds[None, :], mask=in_t[:, None], other=0.0)
+            wj = tl.load(W + (b * T + t) * J + j, mask=in_t, other=0.0)               # [BLOCK_T]
+            if BF16:
+                qk = tl.dot(q.to(tl.bfloat16), tl.trans(k), out_dtype=tl.float32)
+            else:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")                   # [BLOCK_T, BLOCK_N]
+            if OFFICIAL:
+                acc += _bf16_round(tl.maximum(_bf16_round(qk), 0.0) * wj[:, None])
+            else:
+                acc += tl.maximum(qk, 0.0) * wj[:, None]
+        if OFFICIAL:
+            acc = _bf16_round(acc)
+        acc = tl.where(w_[None, :] < vis[:, None], acc, float("-inf"))
+        tl.store(I_ptr, acc, mask=in_t[:, None] & (w_[None, :] < N))
+
+
+def index_scores_v4(q, w, K_idx, start_pos, m=4, official=False):
+    """compressor.index_scores_v4_ref with the causal rule: q [B, T, J, D], w [B, T, J], K_idx [B, n, D]
+    -> I [B, T, n] float32, -inf where key w's window is not complete at query t (w >= (start_pos+t+1)//m)."""
+    B, T, J, D = q.shape
+    n = K_idx.shape[1]
+    if D & (D - 1) or w.shape != (B, T, J) or K_idx.shape != (B, n, D):
+        raise ValueError(f"index_scores_v4: q {tuple(q.shape)} (D a power of two), w {tuple(w.shape)}, "
+                         f"keys {tuple(K_idx.shape)} do not agree")
+    out = torch.empty(B, T, n, dtype=torch.float32, device=q.device)
+    BLOCK_T, BLOCK_N = 16, 64
+    if n:
+        _index_scores_v4_kernel[(B, triton.cdiv(T, BLOCK_T), triton.cdiv(n, BLOCK_N))](
+            q.float().contiguous(), w.float().contiguous(), K_idx.float().contiguous(), out, T, J, n, int(start_pos),
+            m, D=D, OFFICIAL=bool(official), BF16=bool(official) and not _interpreted(), BLOCK_T=BLOCK_T,
+            BLOCK_N=BLOCK_N, num_warps=4)
+    return out

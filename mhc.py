@@ -59,8 +59,16 @@ def hc_pre_ref(X, pre, rnd=quant.no_round):  # [M, n, d], [M, n] -> u [M, d] = s
     return rnd(np.einsum("mn,mnd->md", pre, X))
 
 
-def hc_post_ref(X, y, post, comb, rnd=quant.no_round):  # [M, n, d], [M, d], [M, n], [M, n, n] -> X' [M, n, d]
-    """official: the streams are held in bf16 between sub-layers (rnd); the mix is fp32."""
+def hc_mix_pre_ref(X, fn, base, scale, args, official=False):  # -> pre, post [M, n], comb [M, n, n], u [M, d]
+    """What a sub-layer needs before it runs: the three mixes, then the collapse u (bf16 in official
+    numerics); one op, because a GPU computes both in one pass over the streams (kernels_v4.hc_mix_pre)."""
+    pre, post, comb = hc_mixes_ref(X, fn, base, scale, args, official)
+    return pre, post, comb, hc_pre_ref(X, pre, quant.bf16_round if official else quant.no_round)
+
+
+def hc_post_ref(X, y, post, comb, official=False):  # [M, n, d], [M, d], [M, n], [M, n, n] -> X' [M, n, d]
+    """official: the streams are held in bf16 between sub-layers; the mix is fp32."""
+    rnd = quant.bf16_round if official else quant.no_round
     return rnd(post[:, :, None] * y[:, None, :] + np.einsum("mij,mid->mjd", comb, X))        # B^T X
 
 

@@ -272,9 +272,6 @@ class Transformer:
         ck = checkpoint.Checkpoint(path)
         if ck.config.get("model_type") == "deepseek_v4":             # one entry point for both models
             import model_v4
-            if backend == "torch" and device not in (None, "cpu"):
-                raise ValueError(f"device {device!r}: DeepSeek-V4's torch path runs on the CPU so far (its GPU "
-                                 "kernels are issue 19)")
             return model_v4.TransformerV4.from_pretrained(path, backend, numerics, attention, indexer, max_seq_len,
                                                           device, progress, n_layers, parallel,
                                                           ops or make_ops(backend, device), ck, probe)

@@ -27,7 +27,7 @@ Numerics, set at load time, as for V3.2:
   partials exact, fp32 GEMMs summed in float64 and rounded once), so decode equals prefill bit for bit.
 - "exact": float32 on dequantized weights, what transformers' DeepseekV4ForCausalLM computes.
 
-Backends: the wiring below calls ops.Ops' V4 fields (hc_mixes, v4_attention, v4_moe, ...): the NumPy
+Backends: the wiring below calls ops.Ops' V4 fields (hc_mix_pre, v4_attention, v4_moe, ...): the NumPy
 references, or backend_torch's twins (the CPU so far; V4's GPU kernels are issue 19). A torch load
 probes every routed expert against the checkpoint's own bytes (probe_experts).
 
@@ -279,15 +279,15 @@ class TransformerV4:
         X = ops.cat([e[:, None]] * n, 1)                                              # X^0 [M, n, d]
         for i, (lw, cache) in enumerate(zip(w["layers"], self.caches)):
             kind, m = a.layer_types[i], a.ratio(i)
-            pre, post, comb = ops.hc_mixes(X, lw["hc_attn_fn"], lw["hc_attn_base"], lw["hc_attn_scale"], a, off)
-            h = ops.v4_norm(ops.hc_pre(X, pre, rnd), lw["attn_norm"], a.rms_norm_eps, rnd).reshape(B, T, d)
+            _, post, comb, u = ops.hc_mix_pre(X, lw["hc_attn_fn"], lw["hc_attn_base"], lw["hc_attn_scale"], a, off)
+            h = ops.v4_norm(u, lw["attn_norm"], a.rms_norm_eps, rnd).reshape(B, T, d)
             y = ops.v4_attention(h, lw["attn"], kind, m, start_pos, self.freqs[m > 0], a, cache,
                                  self.attention == "sparse", off)
-            X = ops.hc_post(X, y.reshape(B * T, d), post, comb, rnd)
-            pre, post, comb = ops.hc_mixes(X, lw["hc_ffn_fn"], lw["hc_ffn_base"], lw["hc_ffn_scale"], a, off)
-            h = ops.v4_norm(ops.hc_pre(X, pre, rnd), lw["ffn_norm"], a.rms_norm_eps, rnd)
+            X = ops.hc_post(X, y.reshape(B * T, d), post, comb, off)
+            _, post, comb, u = ops.hc_mix_pre(X, lw["hc_ffn_fn"], lw["hc_ffn_base"], lw["hc_ffn_scale"], a, off)
+            h = ops.v4_norm(u, lw["ffn_norm"], a.rms_norm_eps, rnd)
             y = ops.v4_moe(h, lw["ffn"], a, off, ids.reshape(-1), weight_inside=off)
-            X = ops.hc_post(X, y, post, comb, rnd)
+            X = ops.hc_post(X, y, post, comb, off)
             if record is not None:                      # the streams after layer i, the CSA indexer's picks
                 record.setdefault("hidden", []).append(X.reshape(B, T, -1))
                 record.setdefault("selected", []).append(cache.selected if kind == "compressed_sparse_attention" else None)

@@ -110,10 +110,9 @@ class Ops:
     selection_mask: Callable | None = None  # sel [B, T, K], start_pos, S -> [B, T, S] bool (--verify)
 
     # DeepSeek-V4 (model_v4.py); None where the backend does not run V4
-    hc_mixes: Callable | None = None       # X [M, n, d], Φ, b, α, args, official -> pre, post [M, n], comb [M, n, n]
-    #                                                                                         mhc.hc_mixes_ref
-    hc_pre: Callable | None = None         # X, pre, rnd -> [M, d]                             mhc.hc_pre_ref
-    hc_post: Callable | None = None        # X, y [M, d], post, comb, rnd -> X' [M, n, d]      mhc.hc_post_ref
+    hc_mix_pre: Callable | None = None     # X [M, n, d], Φ, b, α, args, official -> pre, post [M, n], comb [M, n, n],
+    #                                        u [M, d] (the collapsed input)               mhc.hc_mix_pre_ref
+    hc_post: Callable | None = None        # X, y [M, d], post, comb, official -> X' [M, n, d]   mhc.hc_post_ref
     hc_head: Callable | None = None        # X, Φ, b, α, args, official -> [M, d]              mhc.hc_head_ref
     v4_norm: Callable | None = None        # x, w or None, eps, rnd -> x * rsqrt(mean(x²) + eps) w   compressor.rms_norm
     v4_attention: Callable | None = None   # x [B, T, d], weights, kind, m, start_pos, freqs, args, cache, sparse,
@@ -151,7 +150,7 @@ NUMPY_OPS = Ops(
     embed=lambda table, tokens: np.asarray(table[tokens], np.float32),
     head=lambda h, w: h @ w.T, to_f32=lambda a: np.asarray(a, np.float32),
     param=lambda a: a, weight=lambda W: W, plain_weight=lambda W: W,
-    hc_mixes=mhc.hc_mixes_ref, hc_pre=mhc.hc_pre_ref, hc_post=mhc.hc_post_ref, hc_head=mhc.hc_head_ref,
+    hc_mix_pre=mhc.hc_mix_pre_ref, hc_post=mhc.hc_post_ref, hc_head=mhc.hc_head_ref,
     v4_norm=compressor.rms_norm, v4_attention=attention_v4.attention_v4_forward, v4_moe=moe.moe_ref,
     matmul_f32=quant.matmul_f32, v4_zeros=lambda shape: np.zeros(shape, np.float32),
 )

@@ -42,8 +42,7 @@ def test_hc_mix_pre_kernel(M, n, d, spread, iters, official, seed):
     rng = np.random.default_rng(seed)
     X, fn, base, scale = draw(rng, M, n, d, spread)
     args = SimpleNamespace(rms_norm_eps=1e-6, hc_eps=1e-6, hc_sinkhorn_iters=iters)
-    pre, post, comb = mhc.hc_mixes_ref(X, fn, base, scale, args, official)
-    u = mhc.hc_pre_ref(X, pre, quant.bf16_round if official else quant.no_round)
+    pre, post, comb, u = mhc.hc_mix_pre_ref(X, fn, base, scale, args, official)
     got = [g.cpu().numpy() for g in kernels_v4.hc_mix_pre(t(X), t(fn), t(base), scale, args, official)]
     for name, g, w in zip(("pre", "post", "comb"), got, (pre, post, comb)):
         assert g.shape == w.shape and np.abs(g - w).max() <= 2e-5, name      # values in (0, 2]: float32 ulps
@@ -64,7 +63,7 @@ def test_hc_post_kernel(M, n, d, spread, official, seed):
     y = quant.bf16_round((rng.standard_normal((M, d)) * spread).astype(np.float32))
     post = (2 * rng.random((M, n))).astype(np.float32)
     comb = mhc.sinkhorn_ref(rng.standard_normal((M, n, n)).astype(np.float32), 20, 1e-6).astype(np.float32)
-    want = mhc.hc_post_ref(X, y, post, comb, quant.bf16_round if official else quant.no_round)
+    want = mhc.hc_post_ref(X, y, post, comb, official)
     got = kernels_v4.hc_post(t(X), t(y), t(post), t(comb), official).cpu().numpy()
     exact = post.astype(np.float64)[:, :, None] * y[:, None, :] + np.einsum("mij,mid->mjd", comb.astype(np.float64), X)
     if official:
@@ -179,3 +178,30 @@ def test_window_indices_are_the_window_mask():
         tt, jj = np.nonzero(idx >= 0)
         got[tt, idx[tt, jj]] = True
         assert np.array_equal(got, mask), (T, P, W)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 2), st.integers(1, 40), st.integers(1, 6), st.sampled_from([32, 64, 128]), st.integers(0, 150),
+       st.integers(0, 600), st.booleans(), st.integers(0, 2 ** 31))
+def test_index_scores_v4_kernel(B, T, J, D, n, start_pos, official, seed):
+    # official: q and the keys are FP4 values (the official fake quant), so each head's q . K is exact in any
+    # order and the kernel sums the heads in order as the reference: equal bit for bit. exact: fp32 sums
+    import compressor
+    rng = np.random.default_rng(seed)
+    if official:
+        q = compressor.index_fp4_ref(rng.standard_normal((B, T, J, D)).astype(np.float32))
+        K = compressor.index_fp4_ref(rng.standard_normal((B, n, D)).astype(np.float32))
+        w = quant.bf16_round(rng.standard_normal((B, T, J)).astype(np.float32))
+    else:
+        q, K, w = (rng.standard_normal(s).astype(np.float32) for s in ((B, T, J, D), (B, n, D), (B, T, J)))
+    want = compressor.index_scores_v4_ref(q, w, K, official)
+    visible = np.arange(n)[None, :] < ((start_pos + np.arange(T) + 1) // 4)[:, None]
+    want = np.where(visible[None], want, -np.inf)
+    got = kernels_v4.index_scores_v4(t(q), t(w), t(K), start_pos, 4, official).cpu().numpy()
+    if official:
+        assert np.array_equal(got, want)
+    else:
+        mag = np.einsum("btj,btjs->bts", np.abs(w), np.einsum("btjd,bsd->btjs", np.abs(q), np.abs(K)))   # Σ|terms|
+        assert np.array_equal(np.isinf(got), np.isinf(want))
+        fin = np.isfinite(want)
+        assert np.all(np.abs(got[fin] - want[fin]) <= 2.0 ** -20 * mag[fin] + 1e-30)

@@ -415,14 +415,44 @@ def test_torch_exact_equals_transformers_and_numpy(pair, tmp_path):
     assert rel_err(np.concatenate(steps, 1), want) <= 1e-4
 
 
-def test_torch_official_sublayers_within_a_bf16_ulp_of_numpy(tiny_v4):
+def kernel_ops():  # the op table with kernels_v4's kernels: the GPU's, or the same sources in the Triton interpreter
+    from backend_torch import torch_ops
+    from conftest import HAS_CUDA
+    pytest.importorskip("triton")
+    import kernels_cuda
+    return torch_ops("cuda") if HAS_CUDA else torch_ops("cpu", v4=kernels_cuda)
+
+
+def test_kernel_path_exact_equals_numpy(pair):
+    # mHC, the CSA indexer's scores and picks and the sparse attention through kernels_v4 (144 tokens: the
+    # CSA layers have 36 windows against index_topk 32, so the picks are a choice); prefill, then chunks
+    # and decode steps, each against the NumPy reference's logits of the whole sequence
+    from model import Transformer
+    hf, m = pair
+    ops = kernel_ops()
+    t = Transformer.from_pretrained(m.path, backend="torch", device=str(ops.device), numerics="exact", ops=ops)
+    tokens = np.random.default_rng(4).integers(0, 512, (1, 144))              # batch rows: the kernels' tests
+    want = m.forward(tokens, all_positions=True)
+    steps = [t.forward(tokens[:, :100], all_positions=True)]
+    steps += [t.forward(tokens[:, s:s + n], start_pos=s, all_positions=True) for s, n in ((100, 1), (101, 7), (108, 1),
+                                                                                         (109, 35))]
+    got = np.concatenate([s.cpu().numpy() for s in steps], 1)
+    assert rel_err(got, want) <= 1e-5
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_torch_official_sublayers_within_a_bf16_ulp_of_numpy(tiny_v4, kernels):
     # op by op (np.exp's and torch's last bits differ, and so do fp32 and float64 sums), so some bf16
     # values land an ulp apart; end to end this random model is chaotic, so official is compared
     # sublayer by sublayer. The attention runs dense here: the indexer's bf16 scores tie often, and a
     # tie decided by one ulp picks another key (its picks are compared with transformers' above)
     from attention_v4 import V4LayerCache
     from model import Transformer
-    ref, t = Transformer.from_pretrained(tiny_v4), Transformer.from_pretrained(tiny_v4, backend="torch", device="cpu")
+    ops = kernel_ops() if kernels else None
+    ref = Transformer.from_pretrained(tiny_v4)
+    t = Transformer.from_pretrained(tiny_v4, backend="torch", device=str(ops.device) if ops else "cpu", ops=ops)
+    dev = t.ops.device
     a = ref.args
     x = quant.bf16_round(np.random.default_rng(0).standard_normal((2, 40, a.hidden_size)))
     ids = np.random.default_rng(1).integers(0, a.vocab_size, 80)
@@ -431,10 +461,11 @@ def test_torch_official_sublayers_within_a_bf16_ulp_of_numpy(tiny_v4):
         pn, pt = ref.w["layers"][i], t.w["layers"][i]
         y1 = ref.ops.v4_attention(x, pn["attn"], kind, m, 0, ref.freqs[m > 0], a, V4LayerCache(2, a, kind, pn["attn"]),
                                   False, True)
-        y2 = t.ops.v4_attention(torch.from_numpy(x), pt["attn"], kind, m, 0, t.freqs[m > 0], a,
-                                V4LayerCache(2, a, kind, pt["attn"], t.ops.v4_zeros), False, True).numpy()
+        y2 = t.ops.v4_attention(torch.from_numpy(x).to(dev), pt["attn"], kind, m, 0, t.freqs[m > 0], a,
+                                V4LayerCache(2, a, kind, pt["attn"], t.ops.v4_zeros), False, True).cpu().numpy()
         z1 = ref.ops.v4_moe(x.reshape(80, -1), pn["ffn"], a, True, ids, True)
-        z2 = t.ops.v4_moe(torch.from_numpy(x.reshape(80, -1)), pt["ffn"], a, True, torch.from_numpy(ids), True).numpy()
+        z2 = t.ops.v4_moe(torch.from_numpy(x.reshape(80, -1)).to(dev), pt["ffn"], a, True, torch.from_numpy(ids).to(dev),
+                          True).cpu().numpy()
         for what, got, want in (("attention", y2, y1), ("moe", z2, z1)):   # differing values: 0.4% of them on
             rel = np.abs(got - want).max() / np.abs(want).max()           # an AMD EPYC, 6.9% on the H200 host's Xeon
             assert rel <= 2 ** -7, (i, what, rel)
