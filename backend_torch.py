@@ -634,7 +634,7 @@ def compress(h, p, m, overlap, start_pos, freqs, eps, state, rnd=no_round, store
     cos, sin = (torch.from_numpy(a).to(h.device) for a in rope.rope_angles(freqs, m * (w0 + np.arange(k))))
     K = rnd(rope_tail(v4_norm(rnd(pooled), p["norm"], eps, rnd)[:, :, None], cos, sin)[:, :, 0])
     K = K if stored is None else stored(K)
-    state.keys = torch.cat([state.keys, K], 1)
+    state.append(K)
     return K
 
 

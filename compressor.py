@@ -43,13 +43,33 @@ def rope_tail(x, cos, sin):  # the trailing R dims rotated in interleaved pairs:
 class CompressorState:
     """What a compressor carries between calls (prefill chunks, decode steps): the projections
     [C_j | Z_j + B] of the tokens of the window not complete yet (fewer than m rows), for CSA those
-    of the last complete window too (the next key's first m slots), and every key emitted so far."""
+    of the last complete window too (the next key's first m slots), and every key emitted so far (in a
+    buffer that doubles when full, so that a decode step does not copy them all)."""
 
     def __init__(self, B, p, zeros=lambda shape: np.zeros(shape, np.float32)):  # p: the compressor's weights
         width, c = 2 * p["wkv"].w.shape[0], p["norm"].shape[0]
+        self.zeros = zeros
         self.rows = zeros((B, 0, width))                          # [B, r < m, 2 (2) c]: C | Z of the open window
         self.prev = None                                          # ([B, m, 2c], [B, m, 2c]): the last complete window (CSA)
-        self.keys = zeros((B, 0, c))                              # [B, n, c]: K_w of every complete window
+        self.buf, self.n = zeros((B, 0, c)), 0                    # keys: buf[:, :n]
+
+    @property
+    def keys(self):  # [B, n, c]: K_w of every complete window
+        return self.buf[:, :self.n]
+
+    def reserve(self, n):  # room for n keys
+        if n > self.buf.shape[1]:
+            B, _, c = self.buf.shape
+            grown = self.zeros((B, n, c))
+            grown[:, :self.n] = self.keys
+            self.buf = grown
+
+    def append(self, K):  # K [B, k, c]: the keys of the windows completed now
+        k = K.shape[1]
+        if self.n + k > self.buf.shape[1]:
+            self.reserve(max(2 * self.buf.shape[1], self.n + k, 16))
+        self.buf[:, self.n:self.n + k] = K
+        self.n += k
 
 
 def pool_ref(C, Z, prev, m, overlap):  # complete windows' C, Z [B, k m, (2)c] -> Ĉ [B, k, c], eq. (11) / (21)
@@ -93,7 +113,7 @@ def compress_ref(h, p, m, overlap, start_pos, freqs, eps, state, rnd=quant.no_ro
     cos, sin = rope.rope_angles(freqs, m * (w0 + np.arange(k)))                        # at m w
     K = rnd(rope_tail(rms_norm(rnd(pooled), p["norm"], eps, rnd)[:, :, None], cos, sin)[:, :, 0])
     K = K if stored is None else stored(K)
-    state.keys = np.concatenate([state.keys, K], 1)
+    state.append(K)
     return K
 
 
