@@ -268,10 +268,11 @@ def _sink_attention_kernel(Q, KW, KC, IDX, ND, MX, L, ACC, T, H, P, NC, KSEL, CH
         tl.store(ACC + part[:, None].to(tl.int64) * C + cs[None, :], acc, mask=in_h[:, None])
 
 
-def sparse_attention(q, KW, KC, idx, n_dense, sink, scale, official=False, splits=None):
+def sparse_attention(q, KW, KC, idx, n_dense, sink, scale, official=False, splits=None, n_max=None):
     """attention_v4.sparse_attention_ref: q [B, T, H, c], KW [B, P, c], KC [B, n, c], idx [B, T, K] int
     (-1 padded), n_dense [T] int, sink [H] -> o [B, T, H, c] float32 (bf16 values when official).
-    splits: programs per (query, head block) over its keys (default: enough to fill the GPU)."""
+    splits: programs per (query, head block) over its keys (default: enough to fill the GPU); n_max: a
+    bound on n_dense known to the caller (else read from the device: a sync, not capturable)."""
     B, T, H, c = q.shape
     K = idx.shape[-1]
     if c & (c - 1) or KW.shape[::2] != (B, c) or KC.shape[::2] != (B, c) or idx.shape[:2] != (B, T) \
@@ -282,7 +283,7 @@ def sparse_attention(q, KW, KC, idx, n_dense, sink, scale, official=False, split
     dev = q.device
     BLOCK_H, BLOCK_S = 16, (32 if c <= 128 else 16)                               # [16, c] tiles: q, κ, acc
     hb = triton.cdiv(H, BLOCK_H)
-    n_max = int(n_dense.max()) if T else 0
+    n_max = (int(n_dense.max()) if T else 0) if n_max is None else n_max
     keys = K + n_max                                                              # the longest query's keys
     if splits is None:
         splits = max(1, min(triton.cdiv(keys, 4 * BLOCK_S), triton.cdiv(2 * sm_count(dev), B * T * hb)))
