@@ -1,25 +1,35 @@
-"""Triton kernels for DeepSeek-V4-Flash (issue 19, first step): manifold-constrained hyper-connections
-(mHC, V4 paper §2.2; mhc.py has the equations) in two launches per sub-layer instead of a chain of
-about twenty small ones (the GEMV, the norm, three sigmoids, Sinkhorn's twenty row and column
-normalisations, the collapse, the expansion).
+"""Triton kernels for DeepSeek-V4-Flash: mHC (V4 paper §2.2, mhc.py) in two launches per sub-layer
+instead of a chain of about twenty small ones, the CSA indexer's scores (§2.3.1, compressor.py), the
+shared-KV sparse attention with its sink (§2.3, attention_v4.py) and the FP4 expert GEMM.
 
-    hc_mix_pre   μ = Φ x̄ · rsqrt(mean(x̄²) + eps), the pre / post mixes, Sinkhorn on the comb mix, and
-                 the collapse u = Σ_i a_i X_i, fused: one program per BLOCK_M tokens streams x̄ twice
-                                           reference: mhc.hc_mixes_ref, then mhc.hc_pre_ref
-    hc_post      X'_j = c_j y + Σ_i B_ij X_i, the streams re-rounded to bf16 (official numerics)
-                                           reference: mhc.hc_post_ref
-    fp4_gemm     the routed experts' GEMM: FP8 activations (1x128 scales) times MXFP4 weights (two e2m1
-                 codes a byte, the low nibble first; one E8M0 scale per 32), per 32-wide K block the
-                 partial sum promoted by both scales      reference: quant.fp4_gemm
+    hc_mix_pre        μ = Φ x̄ · rsqrt(mean(x̄²) + eps), the pre / post mixes, Sinkhorn on the comb mix
+                      and the collapse u = Σ_i a_i X_i, fused: one program per BLOCK_M tokens
+                                                 reference: mhc.hc_mix_pre_ref
+    hc_post           X'_j = c_j y + Σ_i B_ij X_i, the streams re-rounded to bf16 (official numerics)
+                                                 reference: mhc.hc_post_ref
+    index_scores_v4   I_{t,w} = Σ_h w_{t,h} ReLU(q_{t,h} . K_w), eq. (16), -inf where window w is not
+                      complete at t; the top-k is kernels_cuda.topk_indices (V3.2's, the same arithmetic)
+                                                 reference: compressor.index_scores_v4_ref
+    sparse_attention  every head against the keys a query names (its window's rows, the CSA picks)
+                      and HCA's complete windows, the sink in the denominator; two launches (the max,
+                      then the sums) so that official numerics round each probability against the
+                      row's final max; split over the keys for decode's few queries
+                                                 reference: attention_v4.sparse_attention_ref
+    fp4_gemm          the routed experts' GEMM: FP8 activations (1x128 scales) times MXFP4 weights (two
+                      e2m1 codes a byte, the low nibble first; one E8M0 scale per 32), per 32-wide K
+                      block the partial sum promoted by both scales      reference: quant.fp4_gemm
 
-Numerics: fp32 throughout, as the official code; the references sum Φ x̄ in float64 (quant.matmul_f32),
-so the mixes agree to float32 rounding, not bit for bit, and a bf16 output may differ by one ulp where
-the fp32 sum sits on a rounding boundary (tests/test_kernels_v4.py states the bounds). Not yet dispatched:
-V4's torch path runs on the CPU only (model_v4.py); these kernels are tested against their references
-under TRITON_INTERPRET=1 and wait for the GPU wiring of issue 19. They use no FP8 and nothing
-vendor-specific, so kernels_rocm.py's GPUs run the same sources.
+Numerics: fp32 sums, as the official code. The references sum in float64 (quant.matmul_f32) where the
+official code's order is not defined, so results agree to float32 rounding, not bit for bit, and a bf16
+output may differ by one ulp where the fp32 sum sits on a rounding boundary; index_scores_v4 in official
+numerics is bit for bit (FP4 operands: exact products and sums). tests/test_kernels_v4.py states each
+bound. backend_torch dispatches them (torch_ops: hc_mix_pre, hc_post, v4_attention, the FP4 linears).
+bf16 operands go to the MMA only where they are bf16 values (official numerics) and not in the
+interpreter (its bf16 dot is wrong: spec/kernels.md §4.3); otherwise fp32 operands with IEEE products.
+Nothing here is vendor-specific: kernels_rocm.py re-exports these.
 
-Letters: M tokens, n = hc_mult streams, d hidden size, K = n d, R = (2 + n) n mix rows.
+Letters: M tokens, n = hc_mult streams, d hidden size, K = n d, R = (2 + n) n mix rows; B batch, T
+queries, H heads, c head width, P window rows, n compressed keys, J indexer heads, D their width.
 """
 import torch
 import triton
