@@ -539,13 +539,22 @@ def expert_linear(x, ffn, e, name, *, kern=None):  # one expert's w1 / w3 / w2 t
 
 
 # -----------------------------------------------------------------------------
-# DeepSeek-V4 (mhc.py, compressor.py, attention_v4.py, moe.py): the same steps in torch. GEMMs, sums
-# and exp / sigmoid / silu are taken in float64 and rounded once to float32: torch's CPU kernels pick
-# another BLAS kernel or split a reduction over threads by tensor size, and take another exp for a
-# tensor's tail than for its vectorised body, so a decode step would not give its prefill row's bits
+# DeepSeek-V4 (mhc.py, compressor.py, attention_v4.py, moe.py): the same steps in torch. On the CPU,
+# GEMMs, sums and exp / sigmoid / silu are taken in float64 and rounded once to float32: torch's CPU
+# kernels pick another BLAS kernel or split a reduction over threads by tensor size, and take another
+# exp for a tensor's tail than for its vectorised body, so a decode step would not give its prefill
+# row's bits. On a GPU they stay in float32: the kernels there sum in fp32 in their own order anyway
+# (decode equals prefill to fp32 rounding, not bit for bit), and float64 would copy every weight it
+# touches on every call (the head alone is 2 GB in float64)
 
-def f64(fn, *xs):  # fn of float64 copies, rounded to float32
+def f64(fn, *xs):  # fn of float64 copies, rounded to float32 (on a GPU: fn of float32)
+    if xs[0].is_cuda:
+        return fn(*(x.float() for x in xs))
     return fn(*(x.double() for x in xs)).float()
+
+
+def matmul_f32(a, b):  # quant.matmul_f32: float64 sums on the CPU (quant_torch.matmul_f32), fp32 on a GPU
+    return a.float() @ b.float() if a.is_cuda else quant_torch.matmul_f32(a, b)
 
 
 def hc_mix_pre(X, fn, base, scale, args, official=False, *, v4k=None):  # mhc.hc_mix_pre_ref
@@ -559,7 +568,7 @@ def hc_mixes(X, fn, base, scale, args, official=False):  # mhc.hc_mixes_ref
     M, n, d = X.shape
     x = X.float().reshape(M, n * d)
     r = 1 / torch.sqrt(f64(lambda v: (v * v).mean(-1, keepdim=True), x) + args.rms_norm_eps)
-    mu = quant_torch.matmul_f32(x, fn.T) * r if official else quant_torch.matmul_f32(x * r, fn.T)
+    mu = matmul_f32(x, fn.T) * r if official else matmul_f32(x * r, fn.T)
     pre = f64(torch.sigmoid, scale[0] * mu[:, :n] + base[:n]) + args.hc_eps
     post = 2 * f64(torch.sigmoid, scale[1] * mu[:, n:2 * n] + base[n:2 * n])
     return pre, post, sinkhorn((scale[2] * mu[:, 2 * n:] + base[2 * n:]).reshape(M, n, n), args.hc_sinkhorn_iters,
@@ -590,7 +599,7 @@ def hc_head(X, fn, base, scale, args, official=False, *, kern=None):  # mhc.hc_h
     M, n, d = X.shape
     x = X.float().reshape(M, n * d)
     r = 1 / torch.sqrt(f64(lambda v: (v * v).mean(-1, keepdim=True), x) + args.rms_norm_eps)
-    mu = quant_torch.matmul_f32(x, fn.T) * r if official else quant_torch.matmul_f32(x * r, fn.T)
+    mu = matmul_f32(x, fn.T) * r if official else matmul_f32(x * r, fn.T)
     pre = f64(torch.sigmoid, scale[0] * mu + base) + args.hc_eps
     return hc_pre(X, pre, partial(bf16_round, kern=kern) if official else no_round)
 
@@ -608,8 +617,8 @@ def rope_tail(x, cos, sin):  # compressor.rope_tail: the trailing R dims, interl
 
 def compress(h, p, m, overlap, start_pos, freqs, eps, state, rnd=no_round, stored=None):  # compressor.compress_ref
     B, T, _ = h.shape
-    C = quant_torch.matmul_f32(h, dequant(p["wkv"]).T)
-    Z = quant_torch.matmul_f32(h, dequant(p["wgate"]).T) + p["ape"][(start_pos + torch.arange(T, device=h.device)) % m]
+    C = matmul_f32(h, dequant(p["wkv"]).T)
+    Z = matmul_f32(h, dequant(p["wgate"]).T) + p["ape"][(start_pos + torch.arange(T, device=h.device)) % m]
     rows = torch.cat([state.rows, torch.cat([C, Z], -1)], 1)
     k = rows.shape[1] // m
     full, state.rows = rows[:, :k * m], rows[:, k * m:]
@@ -659,7 +668,7 @@ def indexer_select_v4(x, qr, p, K_idx, start_pos, cos, sin, args, official=False
         w = lin(x, p["weights_proj"], False) * np.float32(J ** -0.5) * np.float32(D ** -0.5)
     else:
         q = index_fp4(bf16_round(q))
-        w = bf16_round(bf16_round(quant_torch.matmul_f32(x, dequant(p["weights_proj"]).T)) * np.float32(J ** -0.5 * D ** -0.5))
+        w = bf16_round(bf16_round(matmul_f32(x, dequant(p["weights_proj"]).T)) * np.float32(J ** -0.5 * D ** -0.5))
     n = K_idx.shape[1]
     if v4k is not None:                                 # eq. (16) with the causal rule, then eq. (17)
         I = v4k.index_scores_v4(q, w, K_idx, start_pos, 4, official)                # -inf past the complete windows
@@ -779,7 +788,7 @@ def v4_output(o, p, args, cos, sin, official, kern=None):  # o [B, T, H, c] -> R
 
 def moe_v4(x, p, args, official, tokens, weight_inside=False, *, kern=None):  # moe.moe_ref, V4's: hash routing, clamp, weight
     lin = partial(linear, kern=kern)
-    logits = quant_torch.matmul_f32(x.float(), p["gate"].w.float().T)
+    logits = matmul_f32(x.float(), p["gate"].w.float().T)
     act = (lambda v: torch.sqrt(torch.nn.functional.softplus(v))) if args.scoring_func == "sqrtsoftplus" else torch.sigmoid
     s = f64(act, logits)
     if "tid2eid" in p:
@@ -849,7 +858,7 @@ def torch_ops(device, kernels=True, dsa=None, v4=None):
         selection_mask=selection_mask if dsa else None,
         hc_mix_pre=partial(hc_mix_pre, **V), hc_post=partial(hc_post, **V), hc_head=partial(hc_head, **K),
         v4_norm=v4_norm, v4_attention=partial(attention_v4, **V, **K), v4_moe=partial(moe_v4, **K),
-        matmul_f32=quant_torch.matmul_f32,
+        matmul_f32=matmul_f32,
         v4_zeros=lambda shape: torch.zeros(shape, device=device),
     )
 

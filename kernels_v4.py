@@ -296,7 +296,7 @@ def sparse_attention(q, KW, KC, idx, n_dense, sink, scale, official=False, split
     n_max = (int(n_dense.max()) if T else 0) if n_max is None else n_max
     keys = K + n_max                                                              # the longest query's keys
     if splits is None:
-        splits = max(1, min(triton.cdiv(keys, 4 * BLOCK_S), triton.cdiv(2 * sm_count(dev), B * T * hb)))
+        splits = max(1, min(triton.cdiv(keys, BLOCK_S), triton.cdiv(2 * sm_count(dev), B * T * hb)))  # 2 programs an SM
     chunk = triton.cdiv(triton.cdiv(max(keys, 1), splits), BLOCK_S) * BLOCK_S
     splits = triton.cdiv(max(keys, 1), chunk)
     args = (q.float().contiguous(), KW.float().contiguous(), KC.float().contiguous(),
@@ -362,9 +362,42 @@ def _index_scores_v4_kernel(Q, W, KI, I, T, J, N, start_pos, m, D: tl.constexpr,
         tl.store(I_ptr, acc, mask=in_t[:, None] & (w_[None, :] < N))
 
 
+@triton.jit
+def _index_scores_v4_decode_kernel(Q, W, KI, I, T, J, N, start_pos, m, D: tl.constexpr, OFFICIAL: tl.constexpr,
+                                   BF16: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Reference: compressor.index_scores_v4_ref, for a few queries: one program per (query, BLOCK_N keys),
+    all heads as the rows of one MMA, the heads summed as a tree (in fp32; not the reference's order)."""
+    bt = tl.program_id(0)
+    t = bt % T
+    b = bt // T
+    w_ = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    js = tl.arange(0, BLOCK_J)
+    ds = tl.arange(0, D)
+    vis = (start_pos + t + 1) // m
+    I_ptr = I + bt.to(tl.int64) * N + w_
+    if tl.program_id(1) * BLOCK_N >= vis:
+        tl.store(I_ptr, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=w_ < N)
+    else:
+        q = tl.load(Q + (bt * J + js[:, None]).to(tl.int64) * D + ds[None, :], mask=(js < J)[:, None], other=0.0)
+        wj = tl.load(W + bt * J + js, mask=js < J, other=0.0)                       # [BLOCK_J]
+        k = tl.load(KI + (b * N + w_[:, None]).to(tl.int64) * D + ds[None, :], mask=(w_ < N)[:, None], other=0.0)
+        if BF16:
+            qk = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)), out_dtype=tl.float32)
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")                     # [BLOCK_J, BLOCK_N]
+        if OFFICIAL:
+            acc = _bf16_round(tl.sum(_bf16_round(tl.maximum(_bf16_round(qk), 0.0) * wj[:, None]), 0))
+        else:
+            acc = tl.sum(tl.maximum(qk, 0.0) * wj[:, None], 0)
+        tl.store(I_ptr, tl.where(w_ < vis, acc, float("-inf")), mask=w_ < N)
+
+
 def index_scores_v4(q, w, K_idx, start_pos, m=4, official=False):
     """compressor.index_scores_v4_ref with the causal rule: q [B, T, J, D], w [B, T, J], K_idx [B, n, D]
-    -> I [B, T, n] float32, -inf where key w's window is not complete at query t (w >= (start_pos+t+1)//m)."""
+    -> I [B, T, n] float32, -inf where key w's window is not complete at query t (w >= (start_pos+t+1)//m).
+    Fewer than 16 queries (decode): the heads as the MMA's rows, summed as a tree (official numerics:
+    within fp32 rounding of the reference's head-order sum, then bf16); more: BLOCK_T queries a head at
+    a time, the heads summed in order, as the reference (bit for bit in official numerics)."""
     B, T, J, D = q.shape
     n = K_idx.shape[1]
     if D & (D - 1) or w.shape != (B, T, J) or K_idx.shape != (B, n, D):
@@ -372,7 +405,13 @@ def index_scores_v4(q, w, K_idx, start_pos, m=4, official=False):
                          f"keys {tuple(K_idx.shape)} do not agree")
     out = torch.empty(B, T, n, dtype=torch.float32, device=q.device)
     BLOCK_T, BLOCK_N = 16, 64
-    if n:
+    bf16 = bool(official) and not _interpreted()
+    if n and T < 16:
+        _index_scores_v4_decode_kernel[(B * T, triton.cdiv(n, BLOCK_N))](
+            q.float().contiguous(), w.float().contiguous(), K_idx.float().contiguous(), out, T, J, n, int(start_pos),
+            m, D=D, OFFICIAL=bool(official), BF16=bf16, BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_N=BLOCK_N,
+            num_warps=4)
+    elif n:
         _index_scores_v4_kernel[(B, triton.cdiv(T, BLOCK_T), triton.cdiv(n, BLOCK_N))](
             q.float().contiguous(), w.float().contiguous(), K_idx.float().contiguous(), out, T, J, n, int(start_pos),
             m, D=D, OFFICIAL=bool(official), BF16=bool(official) and not _interpreted(), BLOCK_T=BLOCK_T,

@@ -14,6 +14,11 @@ run (the contexts it reached), and the KV-cache bytes each model keeps per token
               V3.2-Exp (61 layers of 656 B packed latent rows + 132 B indexer keys); and what this
               project's torch path holds (float32 keys)
 
+    whole     decode tok/s of the 43-layer model at batch 1, ESTIMATED as the sum of measured parts:
+              2 SWA + 21 CSA + 20 HCA attention sublayers (eager), 43 MoE sublayers (eager: 256 FP4
+              experts, top-6 + the shared one), 86 mHC pairs (hc_mix_pre + hc_post, graph) and the fp32
+              head (graph); beside the gfx90a report's 74.5 tok/s (four GPUs, tensor parallel)
+
 The caches hold random values for position L (the costs do not depend on them).
 
     python bench/bench_v4.py [--out DIR] [--max-l N]     writes DIR/v4.json (and v4.png with matplotlib)
@@ -74,6 +79,14 @@ def render(d):
             v = v32.get(what, {}).get(str(L))
             cells.append(f"{v:.1f}" if v is not None else "-")
         lines.append(f"| {L // 1024}K | " + " | ".join(cells) + " |")
+    p = d.get("parts_us")
+    if p:
+        lines += ["", f"Other parts, us per decode step: MoE sublayer b1 {p['moe_b1']:.1f} (eager), b{BATCH} "
+                  f"{p[f'moe_b{BATCH}']:.1f} per token; mHC pair (hc_mix_pre + hc_post) b1 {p['hc_b1']:.1f}, b{BATCH} "
+                  f"{p[f'hc_b{BATCH}']:.1f} per token (graph); fp32 head b1 {p['head_b1']:.1f} (graph)"]
+        for L, (us, tps) in d.get("whole_b1", {}).items():
+            lines.append(f"Whole model at {int(L) // 1024}K, batch 1, ESTIMATED from the parts: {us / 1e3:.1f} ms a token, "
+                         f"{tps:.1f} tok/s (the gfx90a report: 74.5 tok/s on four GPUs)")
     b, f = d["kv_bytes_per_token"], d["flops_1m"]
     lines += ["", f"KV cache per token of context, whole model: V4-Flash {b['v4_official']:.0f} B (official storage; this "
               f"project's float32 caches {b['v4_torch_path']:.0f} B), V3.2-Exp {b['v32']:.0f} B: {b['v4_over_v32']:.1%} "
@@ -234,8 +247,8 @@ def main():
                 cache = V4LayerCache(B, args, kind, p, ops.v4_zeros)
                 x = bf16(B, 1, d)
                 fill(cache, B, L, kind)
-                for s in range(2):                         # warm-up (compilation)
-                    ops.v4_attention(x, p, kind, m, L + s, freqs, args, cache, True, True)
+                for s in range(STEPS):                     # warm-up: the same positions (Triton specialises
+                    ops.v4_attention(x, p, kind, m, L + s, freqs, args, cache, True, True)   # integers by value)
                 fill(cache, B, L, kind)
                 step = iter(range(L, L + STEPS))
                 out[f"decode_b{B}"][str(L)] = 1e6 * sync_time(
@@ -255,6 +268,13 @@ def main():
                 del cache
                 torch.cuda.empty_cache()
             print(SHORT[kind], f"{L // 1024}K", {w: round(v[str(L)], 2) for w, v in out.items() if str(L) in v}, flush=True)
+    parts = other_parts(ops, args, gen, sync_time, graph_time)
+    whole = {}
+    for L in ls:
+        r = [res[k]["decode_b1"].get(str(L)) for k in KINDS]
+        if None not in r:
+            us = 2 * r[0] + 21 * r[1] + 20 * r[2] + 43 * (parts["moe_b1"] + 2 * parts["hc_b1"]) + parts["head_b1"]
+            whole[str(L)] = (us, 1e6 / us)
     v32 = {}
     if FIG3.exists():
         f3 = json.loads(FIG3.read_text())["us_per_token"]["sparse"]
@@ -262,11 +282,54 @@ def main():
     d_ = dict(meta=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                         date=time.strftime("%Y-%m-%d"), chunk=CHUNK, batch=BATCH, steps=STEPS,
                         v32_from=FIG3.name),
-              us_per_token=res, v32_attention=v32, kv_bytes_per_token=kv_bytes(), flops_1m=flops_per_token(1 << 20))
+              us_per_token=res, v32_attention=v32, kv_bytes_per_token=kv_bytes(), flops_1m=flops_per_token(1 << 20),
+              parts_us=parts, whole_b1=whole)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "v4.json").write_text(json.dumps(d_, indent=1))
     plot(d_, Path(a.out) / "v4.png")
     print(render(d_))
+
+
+def other_parts(ops, args, gen, sync_time, graph_time):
+    """us per token: the MoE sublayer (eager, STEPS steps), an mHC pair and the fp32 head (graphs)."""
+    import torch
+    import kernels_v4
+    import quant
+    dev, d, I, E = ops.device, args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
+
+    def fp4(N, K):  # MXFP4: random code pairs, power-of-two scales per 32
+        return quant.Weight(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=dev, generator=gen),
+                            torch.full((N, K // 32), 2.0 ** -6, device=dev))
+
+    def fp8(N, K):
+        w = (torch.randn(N, K, device=dev, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+        return quant.Weight(w, torch.full((N // 128, K // 128), 2.0 ** -7, device=dev))
+    ffn = {"gate": quant.Weight(torch.randn(E, d, device=dev, generator=gen) * d ** -0.5, None),
+           "gate_bias": torch.zeros(E, device=dev),
+           "experts": [{"w1": fp4(I, d), "w3": fp4(I, d), "w2": fp4(d, I)} for _ in range(E)],
+           "shared_experts": {"w1": fp8(I, d), "w3": fp8(I, d), "w2": fp8(d, I)}}
+    out = {}
+    for B in (1, BATCH):
+        x = torch.randn(B, d, device=dev, generator=gen).to(torch.bfloat16).float()
+        tok = torch.zeros(B, dtype=torch.long, device=dev)
+        ops.v4_moe(x, ffn, args, True, tok, True)
+        out[f"moe_b{B}"] = 1e6 * sync_time(lambda: ops.v4_moe(x, ffn, args, True, tok, True), STEPS) / B
+        n = args.hc_mult
+        X = torch.randn(B, n, d, device=dev, generator=gen).to(torch.bfloat16).float()
+        fn = torch.randn((2 + n) * n, n * d, device=dev, generator=gen) * (n * d) ** -0.5
+        base, scale = torch.zeros((2 + n) * n, device=dev), [1.0, 1.0, 1.0]
+
+        def pair():
+            _, post, comb, u = kernels_v4.hc_mix_pre(X, fn, base, scale, args, True)
+            kernels_v4.hc_post(X, u, post, comb, True)
+        out[f"hc_b{B}"] = 1e6 * graph_time(pair) / B
+    head = torch.randn(129280, d, device=dev, generator=gen) * d ** -0.5
+    h = torch.randn(1, d, device=dev, generator=gen)
+    out["head_b1"] = 1e6 * graph_time(lambda: h @ head.T)
+    del ffn, head
+    torch.cuda.empty_cache()
+    print("parts", {k: round(v, 2) for k, v in out.items()}, flush=True)
+    return out
 
 
 def kernels_step(ops, args, cache, kind, m, L, gen):

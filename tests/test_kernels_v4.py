@@ -47,11 +47,14 @@ def test_hc_mix_pre_kernel(M, n, d, spread, iters, official, seed):
     for name, g, w in zip(("pre", "post", "comb"), got, (pre, post, comb)):
         assert g.shape == w.shape and np.abs(g - w).max() <= 2e-5, name      # values in (0, 2]: float32 ulps
     ref_u = np.einsum("mn,mnd->md", pre.astype(np.float64), X.astype(np.float64))
-    if official:                                                             # bf16 values: at most one ulp
+    # the kernel's own mixes (within 2e-5 of the reference's, above) and fp32 sums of n terms
+    tol = 2e-5 * np.abs(X).sum(1) + n * 2.0 ** -24 * np.einsum("mn,mnd->md", pre, np.abs(X))
+    assert u.shape == ref_u.shape
+    if official:                                                             # bf16 values: one ulp beyond that
         assert np.array_equal(got[3], quant.bf16_round(got[3]))
-        assert np.all(np.abs(got[3] - u) <= bf16_ulp(ref_u) * 1.0001)
+        assert np.all(np.abs(got[3] - ref_u) <= bf16_ulp(ref_u) * 1.0001 + tol)
     else:
-        assert np.abs(got[3] - u).max() <= 1e-5 * max(1.0, np.abs(u).max())
+        assert np.all(np.abs(got[3] - ref_u) <= tol)
 
 
 @settings(max_examples=20, deadline=None)
@@ -66,11 +69,13 @@ def test_hc_post_kernel(M, n, d, spread, official, seed):
     want = mhc.hc_post_ref(X, y, post, comb, official)
     got = kernels_v4.hc_post(t(X), t(y), t(post), t(comb), official).cpu().numpy()
     exact = post.astype(np.float64)[:, :, None] * y[:, None, :] + np.einsum("mij,mid->mjd", comb.astype(np.float64), X)
-    if official:
+    mag = np.abs(post)[:, :, None] * np.abs(y)[:, None, :] + np.einsum("mij,mid->mjd", comb.astype(np.float64), np.abs(X))
+    fp32 = (n + 1) * 2.0 ** -24 * mag                   # fp32 sums of n + 1 terms (in any order, FMA or not)
+    if official:                                        # one bf16 ulp of the exact value, beyond the fp32 error
         assert np.array_equal(got, quant.bf16_round(got))
-        assert np.all(np.abs(got - want) <= bf16_ulp(exact) * 1.0001)
+        assert np.all(np.abs(got - exact) <= bf16_ulp(exact) * 1.0001 + fp32)
     else:
-        assert np.all(np.abs(got - exact) <= 4 * np.finfo(np.float32).eps * (np.abs(exact) + spread))
+        assert np.all(np.abs(got - exact) <= fp32)
 
 
 def test_the_kernels_refuse_shapes_that_do_not_agree():
@@ -185,12 +190,13 @@ def test_window_indices_are_the_window_mask():
        st.integers(0, 600), st.booleans(), st.integers(0, 2 ** 31))
 def test_index_scores_v4_kernel(B, T, J, D, n, start_pos, official, seed):
     # official: q and the keys are FP4 values (the official fake quant), so each head's q . K is exact in any
-    # order and the kernel sums the heads in order as the reference: equal bit for bit. exact: fp32 sums
+    # order; with 16 queries or more the kernel sums the heads in order as the reference: equal bit for bit;
+    # fewer (decode) sum them as a tree: within fp32 rounding of the head sum, then one bf16 ulp. exact: fp32
     import compressor
     rng = np.random.default_rng(seed)
     if official:
         q = compressor.index_fp4_ref(rng.standard_normal((B, T, J, D)).astype(np.float32))
-        K = compressor.index_fp4_ref(rng.standard_normal((B, n, D)).astype(np.float32))
+        K = compressor.index_fp4_ref(rng.standard_normal((B, max(n, 1), D)).astype(np.float32))[:, :n]
         w = quant.bf16_round(rng.standard_normal((B, T, J)).astype(np.float32))
     else:
         q, K, w = (rng.standard_normal(s).astype(np.float32) for s in ((B, T, J, D), (B, n, D), (B, T, J)))
@@ -198,10 +204,12 @@ def test_index_scores_v4_kernel(B, T, J, D, n, start_pos, official, seed):
     visible = np.arange(n)[None, :] < ((start_pos + np.arange(T) + 1) // 4)[:, None]
     want = np.where(visible[None], want, -np.inf)
     got = kernels_v4.index_scores_v4(t(q), t(w), t(K), start_pos, 4, official).cpu().numpy()
-    if official:
+    mag = np.einsum("btj,btjs->bts", np.abs(w), np.einsum("btjd,bsd->btjs", np.abs(q), np.abs(K)))   # Σ|terms|
+    assert np.array_equal(np.isinf(got), np.isinf(want))
+    fin = np.isfinite(want)
+    if official and T >= 16:
         assert np.array_equal(got, want)
+    elif official:
+        assert np.all(np.abs(got[fin] - want[fin]) <= bf16_ulp(want[fin]) * 1.0001 + J * 2.0 ** -24 * mag[fin])
     else:
-        mag = np.einsum("btj,btjs->bts", np.abs(w), np.einsum("btjd,bsd->btjs", np.abs(q), np.abs(K)))   # Σ|terms|
-        assert np.array_equal(np.isinf(got), np.isinf(want))
-        fin = np.isfinite(want)
         assert np.all(np.abs(got[fin] - want[fin]) <= 2.0 ** -20 * mag[fin] + 1e-30)
