@@ -1,9 +1,9 @@
-"""Triton kernels for DeepSeek-V4-Flash: mHC (V4 paper §2.2, mhc.py) in two launches per sub-layer
-instead of a chain of about twenty small ones, the CSA indexer's scores (§2.3.1, compressor.py), the
+"""Triton kernels for DeepSeek-V4-Flash: mHC (V4 paper §2.2, mhc.py) in a GEMM and two kernels per
+sub-layer instead of a chain of about twenty small launches, the CSA indexer's scores (§2.3.1, compressor.py), the
 shared-KV sparse attention with its sink (§2.3, attention_v4.py) and the FP4 expert GEMM.
 
-    hc_mix_pre        μ = Φ x̄ · rsqrt(mean(x̄²) + eps), the pre / post mixes, Sinkhorn on the comb mix
-                      and the collapse u = Σ_i a_i X_i, fused: one program per BLOCK_M tokens
+    hc_mix_pre        μ = Φ x̄ · rsqrt(mean(x̄²) + eps) (Φ x̄ one cuBLAS GEMM), then in one kernel the
+                      pre / post mixes, Sinkhorn on the comb mix and the collapse u = Σ_i a_i X_i
                                                  reference: mhc.hc_mix_pre_ref
     hc_post           X'_j = c_j y + Σ_i B_ij X_i, the streams re-rounded to bf16 (official numerics)
                                                  reference: mhc.hc_post_ref
@@ -39,7 +39,7 @@ from kernels_fp8 import _bf16_round, _e4m3_decode, _interpreted, sm_count
 
 
 # -----------------------------------------------------------------------------
-# mhc.hc_mixes_ref + mhc.hc_pre_ref: the mixes, Sinkhorn and the collapse of the streams
+# mhc.hc_mix_pre_ref: the mixes, Sinkhorn and the collapse of the streams
 
 @triton.jit
 def _sigmoid(x):
@@ -47,79 +47,73 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _hc_mix_pre_kernel(X, FN, BASE, PRE, POST, COMB, U, M, d, K, s0, s1, s2, eps_rms, hc_eps,
+def _hc_mix_pre_kernel(MU, SS, X, BASE, PRE, POST, COMB, U, M, d, K, R, s0, s1, s2, eps_rms, hc_eps,
                        N: tl.constexpr, ITERS: tl.constexpr, ROUND: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PAD: tl.constexpr):
-    """Reference: mhc.hc_mixes_ref (official: Φ x̄ first, then the scale), then mhc.hc_pre_ref."""
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAD: tl.constexpr):
+    """Reference: mhc.hc_mix_pre_ref, given Φ x̄ (MU [M, R]) and Σ x̄² (SS [M]). One program per (BLOCK_M
+    tokens, BLOCK_D columns of u): each computes its tokens' mixes and Sinkhorn (a few hundred flops a
+    token, cheaper than a second launch), the first column block stores them, each collapses its slice."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)                  # tokens m
     in_m = rows < M
     j = tl.arange(0, PAD)                                                       # a mix's columns, padded
     ii = tl.arange(0, N * N)                                                    # the comb mix, row-major
-    ks = tl.arange(0, BLOCK_K)
-    # pass 1: Σ x̄² and the three GEMVs Φ_pre x̄, Φ_post x̄, Φ_comb x̄ (fp32 MMA, IEEE products)
-    ss = tl.zeros((BLOCK_M,), tl.float32)
-    acc_pre = tl.zeros((BLOCK_M, PAD), tl.float32)
-    acc_post = tl.zeros((BLOCK_M, PAD), tl.float32)
-    acc_comb = tl.zeros((BLOCK_M, N * N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        x = tl.load(X + rows[:, None].to(tl.int64) * K + k[None, :], mask=in_m[:, None] & (k[None, :] < K), other=0.0)
-        ss += tl.sum(x * x, 1)
-        f_pre = tl.load(FN + j[None, :] * K + k[:, None], mask=(j[None, :] < N) & (k[:, None] < K), other=0.0)
-        f_post = tl.load(FN + (N + j[None, :]) * K + k[:, None], mask=(j[None, :] < N) & (k[:, None] < K), other=0.0)
-        f_comb = tl.load(FN + (2 * N + ii[None, :]) * K + k[:, None], mask=k[:, None] < K, other=0.0)
-        acc_pre = tl.dot(x, f_pre, acc_pre, input_precision="ieee")
-        acc_post = tl.dot(x, f_post, acc_post, input_precision="ieee")
-        acc_comb = tl.dot(x, f_comb, acc_comb, input_precision="ieee")
-    r = 1.0 / tl.sqrt(ss / K + eps_rms)                                         # RMSNorm₀'s scale, [BLOCK_M]
+    mu = MU + rows[:, None].to(tl.int64) * R
+    r = 1.0 / tl.sqrt(tl.load(SS + rows, mask=in_m, other=0.0) / K + eps_rms)   # RMSNorm₀'s scale, [BLOCK_M]
+    mu_pre = tl.load(mu + j[None, :], mask=in_m[:, None] & (j[None, :] < N), other=0.0) * r[:, None]
+    mu_post = tl.load(mu + N + j[None, :], mask=in_m[:, None] & (j[None, :] < N), other=0.0) * r[:, None]
+    mu_comb = tl.load(mu + 2 * N + ii[None, :], mask=in_m[:, None], other=0.0) * r[:, None]
     # the mixes: a = σ(α0 μ + b) + ε, c = 2 σ(α1 μ + b), B = Sinkhorn(softmax(α2 μ + b) + ε)
     b_pre = tl.load(BASE + j, mask=j < N, other=0.0)
     b_post = tl.load(BASE + N + j, mask=j < N, other=0.0)
     b_comb = tl.load(BASE + 2 * N + ii)
-    a = _sigmoid(s0 * (acc_pre * r[:, None]) + b_pre[None, :]) + hc_eps           # [BLOCK_M, PAD]
-    c = 2.0 * _sigmoid(s1 * (acc_post * r[:, None]) + b_post[None, :])
-    z = tl.reshape(s2 * (acc_comb * r[:, None]) + b_comb[None, :], (BLOCK_M, N, N))  # [m, i, j]
+    a = _sigmoid(s0 * mu_pre + b_pre[None, :]) + hc_eps                          # [BLOCK_M, PAD]
+    c = 2.0 * _sigmoid(s1 * mu_post + b_post[None, :])
+    z = tl.reshape(s2 * mu_comb + b_comb[None, :], (BLOCK_M, N, N))             # [m, i, j]
     B = tl.exp(z - tl.max(z, 2)[:, :, None])
     B = B / tl.sum(B, 2)[:, :, None] + hc_eps                                   # softmax over j, + eps
     B = B / (tl.sum(B, 1)[:, None, :] + hc_eps)                                 # columns
     for _ in range(ITERS - 1):
         B = B / (tl.sum(B, 2)[:, :, None] + hc_eps)                             # rows
         B = B / (tl.sum(B, 1)[:, None, :] + hc_eps)                             # columns
-    out = rows[:, None] * N + j[None, :]
-    tl.store(PRE + out, a, mask=in_m[:, None] & (j[None, :] < N))
-    tl.store(POST + out, c, mask=in_m[:, None] & (j[None, :] < N))
-    tl.store(COMB + rows[:, None] * (N * N) + ii[None, :], tl.reshape(B, (BLOCK_M, N * N)), mask=in_m[:, None])
-    # pass 2: u = Σ_i a_i X_i, stream by stream (x̄ read again, from L2 for a block this size)
-    for d0 in range(0, d, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        m2 = in_m[:, None] & (cols[None, :] < d)
-        u = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for i in tl.static_range(N):
-            a_i = tl.sum(tl.where(j[None, :] == i, a, 0.0), 1)                  # [BLOCK_M]
-            x_i = tl.load(X + rows[:, None].to(tl.int64) * K + i * d + cols[None, :], mask=m2, other=0.0)
-            u += a_i[:, None] * x_i
-        if ROUND:
-            u = _bf16_round(u)
-        tl.store(U + rows[:, None].to(tl.int64) * d + cols[None, :], u, mask=m2)
+    if tl.program_id(1) == 0:
+        out = rows[:, None] * N + j[None, :]
+        tl.store(PRE + out, a, mask=in_m[:, None] & (j[None, :] < N))
+        tl.store(POST + out, c, mask=in_m[:, None] & (j[None, :] < N))
+        tl.store(COMB + rows[:, None] * (N * N) + ii[None, :], tl.reshape(B, (BLOCK_M, N * N)), mask=in_m[:, None])
+    # u = Σ_i a_i X_i on this program's columns
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m2 = in_m[:, None] & (cols[None, :] < d)
+    u = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for i in tl.static_range(N):
+        a_i = tl.sum(tl.where(j[None, :] == i, a, 0.0), 1)                      # [BLOCK_M]
+        x_i = tl.load(X + rows[:, None].to(tl.int64) * K + i * d + cols[None, :], mask=m2, other=0.0)
+        u += a_i[:, None] * x_i
+    if ROUND:
+        u = _bf16_round(u)
+    tl.store(U + rows[:, None].to(tl.int64) * d + cols[None, :], u, mask=m2)
 
 
 def hc_mix_pre(X, fn, base, scale, args, official=False):  # X [M, n, d] -> pre, post [M, n], comb [M, n, n], u [M, d]
-    """mhc.hc_mixes_ref then mhc.hc_pre_ref (u rounded to bf16 in official numerics), in one launch."""
+    """mhc.hc_mix_pre_ref (u rounded to bf16 in official numerics): Φ x̄ and Σ x̄² as one fp32 GEMM and a sum
+    (cuBLAS streams x̄ at the memory's rate however few tokens there are), then one kernel for the rest."""
     M, n, d = X.shape
     R = (2 + n) * n
     if fn.shape != (R, n * d) or base.shape != (R,) or n & (n - 1) or n < 2:
         raise ValueError(f"hc_mix_pre: streams {n} (a power of two), Φ {tuple(fn.shape)} != ({R}, {n * d}) "
                          f"or base {tuple(base.shape)} != ({R},)")
     X = X.float().contiguous()
+    x = X.reshape(M, n * d)
+    mu = (x @ fn.float().T).contiguous()                                        # Φ x̄ [M, R], fp32
+    ss = (x * x).sum(-1)                                                        # Σ x̄² [M]
     pre, post = (torch.empty(M, n, dtype=torch.float32, device=X.device) for _ in range(2))
     comb = torch.empty(M, n, n, dtype=torch.float32, device=X.device)
     u = torch.empty(M, d, dtype=torch.float32, device=X.device)
     s = [float(v) for v in scale]
-    BLOCK_M = 16
-    _hc_mix_pre_kernel[(triton.cdiv(M, BLOCK_M),)](
-        X, fn.float().contiguous(), base.float().contiguous(), pre, post, comb, u, M, d, n * d, s[0], s[1], s[2],
+    BLOCK_M, BLOCK_D = 16, 128
+    _hc_mix_pre_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(d, BLOCK_D))](
+        mu, ss, X, base.float().contiguous(), pre, post, comb, u, M, d, n * d, R, s[0], s[1], s[2],
         float(args.rms_norm_eps), float(args.hc_eps), N=n, ITERS=int(args.hc_sinkhorn_iters), ROUND=bool(official),
-        BLOCK_M=BLOCK_M, BLOCK_K=64, BLOCK_D=128, PAD=max(16, n), num_warps=4)
+        BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, PAD=max(16, n), num_warps=4)
     return pre, post, comb, u
 
 
@@ -174,15 +168,18 @@ def _e2m1_decode(nib):
 
 
 @triton.jit
-def _fp4_gemm_kernel(A, SA, B, SB, C, M, N, K, FNUZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Reference: quant.fp4_gemm. A [M, K] e4m3 bytes, SA [M, K/128], B [N, K/2] e2m1 pairs, SB [N, K/32]."""
+def _fp4_gemm_kernel(A, SA, B, SB, C, M, N, K, KB_SPLIT, FNUZ: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """Reference: quant.fp4_gemm. A [M, K] e4m3 bytes, SA [M, K/128], B [N, K/2] e2m1 pairs, SB [N, K/32].
+    Program (i, j, s) sums the 32-wide K blocks [s KB_SPLIT, (s + 1) KB_SPLIT) into C[s] (split K)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_m, in_n = rows < M, cols < N
     k32 = tl.arange(0, 32)
     k16 = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for kb in range(0, K // 32):
+    kb0 = tl.program_id(2) * KB_SPLIT
+    for kb in range(kb0, tl.minimum(kb0 + KB_SPLIT, K // 32)):
         a = _e4m3_decode(tl.load(A + rows[:, None].to(tl.int64) * K + kb * 32 + k32[None, :], mask=in_m[:, None],
                                  other=0), FNUZ).to(tl.float16)                          # [BLOCK_M, 32]
         pairs = tl.load(B + cols[:, None].to(tl.int64) * (K // 2) + kb * 16 + k16[None, :], mask=in_n[:, None], other=0)
@@ -192,22 +189,29 @@ def _fp4_gemm_kernel(A, SA, B, SB, C, M, N, K, FNUZ: tl.constexpr, BLOCK_M: tl.c
         sa = tl.load(SA + rows * (K // 128) + (kb * 32) // 128, mask=in_m, other=0.0)
         sb = tl.load(SB + cols * (K // 32) + kb, mask=in_n, other=0.0)
         acc += (partial * sa[:, None]) * sb[None, :]                                     # as the reference, in order
+    C += tl.program_id(2).to(tl.int64) * M * N
     tl.store(C + rows[:, None].to(tl.int64) * N + cols[None, :], acc, mask=in_m[:, None] & in_n[None, :])
 
 
 def fp4_gemm(a, sa, packed, sb, fnuz=False):  # [M, K] e4m3, [M, K/128], [N, K/2] uint8, [N, K/32] -> [M, N] f32
-    """quant.fp4_gemm: a as torch float8 (or its uint8 bytes), packed the checkpoint's FP4 pairs."""
+    """quant.fp4_gemm: a as torch float8 (or its uint8 bytes), packed the checkpoint's FP4 pairs. K is
+    split over programs where the output tiles alone would not fill the GPU (decode), the splits' fp32
+    partial sums added after (the reference adds the 32-wide blocks in order: within fp32 rounding)."""
     M, K = a.shape
     N = packed.shape[0]
     if K % 128 or packed.shape != (N, K // 2) or sa.shape != (M, K // 128) or sb.shape != (N, K // 32):
         raise ValueError(f"fp4_gemm: a {tuple(a.shape)} (K a multiple of 128), scales {tuple(sa.shape)}, "
                          f"weights {tuple(packed.shape)}, scales {tuple(sb.shape)} do not agree")
-    c = torch.empty(M, N, dtype=torch.float32, device=a.device)
     BLOCK_M, BLOCK_N = 16, 64
-    _fp4_gemm_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))](
+    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    splits = max(1, min(triton.cdiv(2 * sm_count(a.device), tiles), K // 32 // 8))   # at least 8 blocks a split
+    kb_split = triton.cdiv(K // 32, splits)
+    splits = triton.cdiv(K // 32, kb_split)
+    c = torch.empty(splits, M, N, dtype=torch.float32, device=a.device)
+    _fp4_gemm_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), splits)](
         a.contiguous().view(torch.uint8), sa.float().contiguous(), packed.contiguous().view(torch.uint8),
-        sb.float().contiguous(), c, M, N, K, FNUZ=fnuz, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
-    return c
+        sb.float().contiguous(), c, M, N, K, kb_split, FNUZ=fnuz, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+    return c[0] if splits == 1 else c.sum(0)
 
 
 # -----------------------------------------------------------------------------
