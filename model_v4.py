@@ -28,7 +28,7 @@ Numerics, set at load time, as for V3.2:
 - "exact": float32 on dequantized weights, what transformers' DeepseekV4ForCausalLM computes.
 
 Backends: the wiring below calls ops.Ops' V4 fields (hc_mix_pre, v4_attention, v4_moe, ...): the NumPy
-references, or backend_torch's twins (the CPU so far; V4's GPU kernels are issue 19). A torch load
+references, or backend_torch's twins (on a GPU through kernels_v4's kernels). A torch load
 probes every routed expert against the checkpoint's own bytes (probe_experts).
 
 Letters: B batch, T tokens, M = B T, n streams (hc_mult), d hidden size, V vocabulary.

@@ -64,8 +64,9 @@ def render(d):
     m = d["meta"]
     lines = [f"{m['gpu']}, {m['date']}, torch {m['torch']}, triton {m['triton']}; one attention sublayer of DeepSeek-V4-Flash "
              "at real dimensions, official numerics; microseconds per token", "",
-             "| L | " + " | ".join(f"{SHORT[k]} decode b1 | {SHORT[k]} kernels b1 | {SHORT[k]} decode b{BATCH} | "
-                                  f"{SHORT[k]} prefill" for k in KINDS) + " | V3.2 DSA decode b1 | V3.2 DSA prefill |",
+             "| L | " + " | ".join(f"{SHORT[k]} decode b1 (eager) | {SHORT[k]} kernels b1 (graph) | {SHORT[k]} decode "
+                                  f"b{BATCH} (eager) | {SHORT[k]} prefill" for k in KINDS)
+             + " | V3.2 DSA sublayer decode b1 (graph) | V3.2 DSA sublayer prefill |",
              "|---|" + "---|" * (4 * len(KINDS) + 2)]
     r = d["us_per_token"]
     v32 = d.get("v32_attention", {})
