@@ -807,12 +807,15 @@ def moe_v4(x, p, args, official, tokens, weight_inside=False, *, kern=None):  # 
         return lin(rnd(y if weight is None else y * weight[:, None]), q["w2"], official)
 
     y = torch.zeros(x.shape, device=x.device)
+    e0, e1 = p.get("expert_range", (0, len(p["experts"])))   # parallel.py: this rank's experts only
     for e in torch.unique(idx).tolist():                # ascending expert id, fp32 sum
+        if not e0 <= e < e1:
+            continue
         tok, slot = torch.nonzero(idx == e, as_tuple=True)
         if weight_inside:
-            y[tok] += ffn(x[tok], p["experts"][e], w[tok, slot])
+            y[tok] += ffn(x[tok], p["experts"][e - e0], w[tok, slot])
         else:
-            y[tok] += ffn(x[tok], p["experts"][e]) * w[tok, slot, None]
+            y[tok] += ffn(x[tok], p["experts"][e - e0]) * w[tok, slot, None]
     y += ffn(x, p["shared_experts"])
     return rnd(y)
 

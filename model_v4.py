@@ -217,8 +217,6 @@ class TransformerV4:
         numerics = numerics or "official"
         if indexer is not None:
             raise ValueError(f"indexer={indexer!r}: DeepSeek-V4's indexer precision follows numerics (FP4 in official)")
-        if parallel is not None:
-            raise ValueError("parallel: DeepSeek-V4 runs in one process so far")
         if ops is None and backend != "numpy":
             raise ValueError(f"backend {backend!r}: load through model.Transformer.from_pretrained (it makes the op table)")
         ops = ops or NUMPY_OPS
@@ -241,6 +239,9 @@ class TransformerV4:
              "hc_head": {k: np.asarray(ck.get(f"hc_head_{k}", ("F32",)), np.float32) for k in ("fn", "base", "scale")},
              "layers": layers}                                                  # mtp.* skipped
         check_shapes(w, args, path)
+        if parallel is not None:                          # this rank's slices, and the ops with the collectives
+            w, args = parallel.shard_v4(w, args)
+            ops = parallel.wrap(ops)
         held = to_backend(w, ops)
         if ops is not NUMPY_OPS and probe:               # NumPy computes on the checkpoint's own arrays
             probe_experts(held, w["layers"], ops)

@@ -13,9 +13,16 @@ weights and wraps the torch backend's op table with the collectives (the officia
     vocabulary  the embedding and the head split by rows: a masked lookup summed over ranks, and
                 the head's logit slices gathered
 
-The number of ranks must divide the heads, the routed experts and the vocabulary, and every slice of
-an FP8 weight must cover whole 128x128 scale blocks (true for DeepSeek-V3.2-Exp up to 8 ranks);
-other layouts are refused with a message. Slicing happens on the checkpoint's memory-mapped arrays,
+DeepSeek-V4 (shard_v4; the same wrapped ops): the 64 query heads split, with their output groups
+(wq_b by rows, the sinks, W^OA by its groups' rows, W^OB by the groups' input columns, summed over
+ranks); the shared key (wkv), the compressors, the CSA indexer, mHC, the embedding and the fp32 head
+whole on every rank (so every rank picks the same keys); the routed experts split as above (expert
+parallel) and the shared expert like a dense MLP. Each rank's attention and MoE outputs are its part
+of a sum over ranks (official numerics: the parts rounded to bf16 before it, as the official code's).
+
+The number of ranks must divide the heads (and V4's output groups), the routed experts and the
+vocabulary (V3.2), and every slice of an FP8 weight must cover whole 128x128 scale blocks (true for
+DeepSeek-V3.2-Exp up to 8 ranks, for V4-Flash up to 8); other layouts are refused with a message. Slicing happens on the checkpoint's memory-mapped arrays,
 so each rank reads only its own slices from the shards.
 
     ctx = parallel.Parallel.from_env()          # after torch.distributed.init_process_group
@@ -121,6 +128,26 @@ class Parallel:
         out["layers"] = layers
         return out, dataclasses.replace(args, num_attention_heads=H // world)
 
+    def shard_v4(self, weights, args):
+        """DeepSeek-V4's weights (NumPy, as model_v4.load_layer gives them) and args -> this rank's
+        slices and the args its model code sees (its heads and output groups)."""
+        a = args
+        H, c, g, dg = a.num_attention_heads, a.head_dim, a.o_groups, a.o_lora_rank
+        h0, h1 = self._part(H, "num_attention_heads")
+        g0, g1 = self._part(g, "o_groups")
+        e0, e1 = self._part(a.n_routed_experts, "n_routed_experts")
+        layers = []
+        for i, lw in enumerate(weights["layers"]):
+            at = dict(lw["attn"], attn_sink=lw["attn"]["attn_sink"][h0:h1])
+            at["wq_b"] = self._rows(at["wq_b"], h0 * c, h1 * c, f"layer {i} wq_b")
+            at["wo_a"] = self._rows(at["wo_a"], g0 * dg, g1 * dg, f"layer {i} wo_a")
+            at["wo_b"] = self._cols(at["wo_b"], g0 * dg, g1 * dg, f"layer {i} wo_b")
+            ffn = dict(lw["ffn"], experts=lw["ffn"]["experts"][e0:e1], expert_range=(e0, e1),
+                       shared_experts=self._mlp(lw["ffn"]["shared_experts"], f"layer {i} shared expert"))
+            layers.append(dict(lw, attn=at, ffn=ffn))
+        return dict(weights, layers=layers), dataclasses.replace(args, num_attention_heads=H // self.world,
+                                                                 o_groups=g // self.world)
+
     # -------------------------------------------------------------------------
     # the op table with the collectives
 
@@ -197,8 +224,19 @@ class Parallel:
         def param(a):                                     # the expert range stays a pair of ints
             return a if isinstance(a, tuple) else base.param(a)
 
+        def v4_attention(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, official=False):
+            """This rank's heads and output groups: its part of W^OB's product, summed over ranks."""
+            y = all_sum(base.v4_attention(x, p, kind, m, start_pos, freqs, args, cache, sparse, official))
+            return base.bf16_round(y) if official else y
+
+        def v4_moe(x, p, args, official, tokens, weight_inside=False):
+            """This rank's routed experts and its columns of the shared expert, summed over ranks."""
+            y = all_sum(base.v4_moe(x, p, args, official, tokens, weight_inside))
+            return base.bf16_round(y) if official else y
+
+        v4 = {} if base.v4_attention is None else dict(v4_attention=v4_attention, v4_moe=v4_moe)
         return dataclasses.replace(base, weight=weight, linear=linear, linears=linears, embed=embed, head=head,
-                                   select=select, moe=moe, mlp=mlp, param=param)
+                                   select=select, moe=moe, mlp=mlp, param=param, **v4)
 
 
 def init_from_env(device=None):
