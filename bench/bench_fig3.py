@@ -54,13 +54,30 @@ def render(d):
     return "\n".join(lines)
 
 
-def plot(d, png):
+def pyplot():  # matplotlib's pyplot without a display, or None (said once) where it is not installed
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no PNG (the table and the JSON are written)", file=sys.stderr)
+        return None
+    return plt
+
+
+def context_axis(ax, ls, xlabel, ylabel, title):  # a log2 axis of contexts 4K, 8K, ... and the panel's labels
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([L / 1024 for L in ls], [f"{L // 1024}K" for L in ls])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def plot(d, png):
+    plt = pyplot()
+    if plt is None:
         return False
     r = d["us_per_token"]
     rows = 2 if "attn_prefill" in r["dense"] else 1
@@ -74,13 +91,7 @@ def plot(d, png):
             xs = [L for L in LS if str(L) in r[mode][what]]
             ax.plot([x / 1024 for x in xs], [r[mode][what][str(x)] for x in xs], style,
                     label="dense (V3.1-style MLA)" if mode == "dense" else "sparse (DSA kernels)")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([L / 1024 for L in LS], [f"{L // 1024}K" for L in LS])
-        ax.set_xlabel("token position L")
-        ax.set_ylabel("us per token, one layer")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
+        context_axis(ax, LS, "token position L", "us per token, one layer", title)
     fig.suptitle(f"Cost of the token at position L, one DeepSeek-V3.2-Exp layer on one {d['meta']['gpu']} "
                  f"({d['meta']['date']})", fontsize=10)
     fig.tight_layout()

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LS = [4096, 16384, 65536, 131072, 262144, 1048576]
 CHUNK, BATCH, STEPS = 4096, 32, 8
@@ -98,12 +99,9 @@ def render(d):
 
 
 def plot(d, png):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG (the table and the JSON are written)", file=sys.stderr)
+    from bench_fig3 import context_axis, pyplot
+    plt = pyplot()
+    if plt is None:
         return False
     r, v32 = d["us_per_token"], d.get("v32_attention", {})
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
@@ -116,14 +114,8 @@ def plot(d, png):
         xs = [L for L in LS if str(L) in v32.get(v32what, {})]
         if xs:
             ax.plot([x / 1024 for x in xs], [v32[v32what][str(x)] for x in xs], "k--", label="V3.2 DSA (bench_fig3)")
-        ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xticks([L / 1024 for L in LS], [f"{L // 1024}K" for L in LS])
-        ax.set_xlabel("context L")
-        ax.set_ylabel("us per token, one attention sublayer")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        context_axis(ax, LS, "context L", "us per token, one attention sublayer", title)
     fig.suptitle(f"DeepSeek-V4-Flash attention sublayers against context, one {d['meta']['gpu']} ({d['meta']['date']})",
                  fontsize=10)
     fig.tight_layout()
