@@ -770,7 +770,8 @@ def attention_v4_kernels(q, KW, KC, picks, m, start_pos, p, args, cache, cos, si
         cache.selected = sel.scatter_(-1, torch.where(picks >= 0, picks, KC.shape[1]).long(), True)[..., :-1]
         idx = torch.cat([idx, torch.where(picks >= 0, picks + KW.shape[1], -1)], -1)
     n_dense = (start_pos + torch.arange(T, device=dev) + 1) // m if m else torch.zeros(T, dtype=torch.long, device=dev)
-    o = v4k.sparse_attention(q, KW, KC, idx, n_dense, p["attn_sink"], args.softmax_scale, official)
+    o = v4k.sparse_attention(q, KW, KC, idx, n_dense, p["attn_sink"], args.softmax_scale, official,
+                             n_max=(start_pos + T) // m if m else 0)      # n_dense's last entry: no device sync
     return v4_output(o, p, args, cos, sin, official, kern)
 
 

@@ -22,7 +22,8 @@ shared-KV sparse attention with its sink (§2.3, attention_v4.py) and the FP4 ex
 Numerics: fp32 sums, as the official code. The references sum in float64 (quant.matmul_f32) where the
 official code's order is not defined, so results agree to float32 rounding, not bit for bit, and a bf16
 output may differ by one ulp where the fp32 sum sits on a rounding boundary; index_scores_v4 in official
-numerics is bit for bit (FP4 operands: exact products and sums). tests/test_kernels_v4.py states each
+numerics is bit for bit for 16 queries or more (FP4 operands: exact products and sums; the heads summed
+in the reference's order), within an ulp for decode's few (the heads summed as a tree). tests/test_kernels_v4.py states each
 bound. backend_torch dispatches them (torch_ops: hc_mix_pre, hc_post, v4_attention, the FP4 linears).
 bf16 operands go to the MMA only where they are bf16 values (official numerics) and not in the
 interpreter (its bf16 dot is wrong: spec/kernels.md §4.3); otherwise fp32 operands with IEEE products.
@@ -226,8 +227,9 @@ def _sink_attention_kernel(Q, KW, KC, IDX, ND, MX, L, ACC, T, H, P, NC, KSEL, CH
                            BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
     """Reference: attention_v4.sparse_attention_ref. One program per (query, BLOCK_H heads, split); the
     split covers CHUNK of the query's virtual keys v: v < KSEL the listed row IDX[v] of [KW | KC], then
-    KC[v - KSEL] while v - KSEL < ND[t]. PASS 1 stores the split's max logit; PASS 2 reads the row's max
-    from MX[.., 0] and stores Σ e and Σ p κ (e = exp(z - m), p = bf16(e) when ROUND)."""
+    KC[v - KSEL] while v - KSEL < ND[t]. PASS 1 stores the split's max logit in MX [B T, H, splits];
+    PASS 2 reads the row's max from MX [B T, H] (the max over splits, made by the caller) and stores Σ e
+    and Σ p κ (e = exp(z - m), p = bf16(e) when ROUND)."""
     bt = tl.program_id(0)
     b, t = bt // T, bt % T
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -243,7 +245,7 @@ def _sink_attention_kernel(Q, KW, KC, IDX, ND, MX, L, ACC, T, H, P, NC, KSEL, CH
     if PASS == 1:
         mx = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     else:
-        mx = tl.load(MX + (bt * H + h) * 1, mask=in_h, other=0.0)                    # the row's max [BH]
+        mx = tl.load(MX + bt * H + h, mask=in_h, other=0.0)                          # the row's max [BH]
         l = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, C), tl.float32)
     for s0 in range(v0, v1, BLOCK_S):
@@ -418,6 +420,6 @@ def index_scores_v4(q, w, K_idx, start_pos, m=4, official=False):
     elif n:
         _index_scores_v4_kernel[(B, triton.cdiv(T, BLOCK_T), triton.cdiv(n, BLOCK_N))](
             q.float().contiguous(), w.float().contiguous(), K_idx.float().contiguous(), out, T, J, n, int(start_pos),
-            m, D=D, OFFICIAL=bool(official), BF16=bool(official) and not _interpreted(), BLOCK_T=BLOCK_T,
+            m, D=D, OFFICIAL=bool(official), BF16=bf16, BLOCK_T=BLOCK_T,
             BLOCK_N=BLOCK_N, num_warps=4)
     return out

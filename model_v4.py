@@ -207,7 +207,7 @@ class TransformerV4:
         self.attention = attention                          # dense: CSA layers attend every complete window
         self.indexer = "fp4" if self.official else "exact"  # Hadamard + FP4 keys and queries, or float32
         self.freqs = {False: args.freqs(False), True: args.freqs(True)}    # plain, and YaRN for compressed layers
-        self.caches, self.cached_len = [], 0
+        self.caches, self.cached_len, self.planned_len = [], 0, 0
 
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics=None, attention="sparse", indexer=None, max_seq_len=None,
@@ -247,9 +247,10 @@ class TransformerV4:
             probe_experts(held, w["layers"], ops)
         return cls(args, held, path, numerics, attention, ops)
 
-    def reserve(self, batch, total_len):  # the caches are a ring and the compressed keys: nothing to allocate
+    def reserve(self, batch, total_len):  # room for total_len tokens' compressed keys when the caches start
         if total_len > self.args.max_seq_len:
             raise ValueError(f"{total_len} tokens exceed max_seq_len {self.args.max_seq_len}")
+        self.planned_len = total_len
 
     def forward(self, tokens, start_pos=0, all_positions=False, record=None):
         """tokens [B, T] -> logits [B, V] of the last position (or [B, T, V]). start_pos 0 starts over;
@@ -267,6 +268,10 @@ class TransformerV4:
         B, T = tokens.shape
         if start_pos == 0:
             self.caches = [V4LayerCache(B, a, a.layer_types[i], lw["attn"], ops.v4_zeros) for i, lw in enumerate(w["layers"])]
+            for i, cache in enumerate(self.caches):      # keys of the planned length at once (reserve), not by doubling
+                for state, m in ((cache.comp, a.ratio(i)), (cache.idx, 4)):
+                    if state is not None:
+                        state.reserve(self.planned_len // m)
             self.cached_len = 0
         elif start_pos != self.cached_len or B != self.caches[0].ring.shape[0]:
             raise ValueError(f"start_pos {start_pos} (batch {B}): V4 continues its caches only at the cached length "

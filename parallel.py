@@ -56,6 +56,7 @@ class Parallel:
 
     def __init__(self, rank, world):
         self.rank, self.world = rank, world
+        self.whole_vocab = False                         # shard_v4: the embedding stays whole on every rank
         self.timing, self.comm_s = False, 0.0            # bench_parallel: time spent in the collectives
 
     def _comm(self, fn, *a):                             # one collective (timed between syncs when asked)
@@ -136,6 +137,7 @@ class Parallel:
         h0, h1 = self._part(H, "num_attention_heads")
         g0, g1 = self._part(g, "o_groups")
         e0, e1 = self._part(a.n_routed_experts, "n_routed_experts")
+        self.whole_vocab = True
         layers = []
         for i, lw in enumerate(weights["layers"]):
             at = dict(lw["attn"], attn_sink=lw["attn"]["attn_sink"][h0:h1])
@@ -224,6 +226,8 @@ class Parallel:
         def param(a):                                     # the expert range stays a pair of ints
             return a if isinstance(a, tuple) else base.param(a)
 
+        # V4's sub-layers call backend_torch's linear themselves, not this table's: W^OB's and the shared
+        # expert's RowShard products come back as this rank's parts, summed here once
         def v4_attention(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, official=False):
             """This rank's heads and output groups: its part of W^OB's product, summed over ranks."""
             y = all_sum(base.v4_attention(x, p, kind, m, start_pos, freqs, args, cache, sparse, official))
@@ -235,6 +239,8 @@ class Parallel:
             return base.bf16_round(y) if official else y
 
         v4 = {} if base.v4_attention is None else dict(v4_attention=v4_attention, v4_moe=v4_moe)
+        if self.whole_vocab:                              # V4: the table is whole here, no sum over ranks
+            embed = base.embed
         return dataclasses.replace(base, weight=weight, linear=linear, linears=linears, embed=embed, head=head,
                                    select=select, moe=moe, mlp=mlp, param=param, **v4)
 

@@ -33,9 +33,9 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ckpt_v4(tmp_path_factory):
     # tiny V4 with a shared expert of 256 (128 columns a rank at 2: whole scale blocks); 4 heads in 2 output
-    # groups, 8 routed experts: 2 ranks take 2 heads, 1 group and 4 experts each. index_topk 8 < the CSA
-    # layers' windows, so the picks are a choice
-    cfg = checkpoint.tiny_config_v4(moe_intermediate_size=256, index_topk=8, vocab_size=2048)
+    # groups, 8 routed experts: 2 ranks take 2 heads, 1 group and 4 experts each. index_topk 2 against the
+    # CSA layers' up to 6 complete windows of the script's 26 positions: the picks are a choice
+    cfg = checkpoint.tiny_config_v4(moe_intermediate_size=256, index_topk=2, vocab_size=2048)
     path = tmp_path_factory.mktemp("parv4") / "ckpt"
     return checkpoint.write_checkpoint(path, cfg, checkpoint.random_weights_v4(cfg, 5))
 
