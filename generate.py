@@ -274,6 +274,9 @@ def main(argv=None):
                     help="sparse: DSA top-k selection (default); dense: every causal key (V3.1-Terminus behaviour)")
     ap.add_argument("--indexer", default=None, choices=["fp8", "exact"],
                     help="indexer precision (default: fp8 with official numerics, exact with exact numerics)")
+    ap.add_argument("--experts", default=None, choices=["fp4", "fp8"],
+                    help="DeepSeek-V4's routed experts: fp4 as stored (default), or re-encoded at load to 128x128 "
+                         "block FP8 (exact, twice the memory: the FP8 GEMMs)")
     ap.add_argument("--verify-layers", type=int, default=None,
                     help="--verify: compare only the first N layers (for checkpoints too large for the CPU reference)")
     ap.add_argument("--record-golden", action="store_true", help="--verify: record this combination's golden outputs")
@@ -339,7 +342,7 @@ def run(a):  # main's work once the flags are parsed; bad input raises one of US
     t0 = time.perf_counter()
     model = Transformer.from_pretrained(a.ckpt, backend=a.backend, numerics=a.numerics, attention=a.attention,
                                         indexer=a.indexer, max_seq_len=a.max_seq_len, device=a.device,
-                                        progress=show_progress, parallel=a.parallel)
+                                        progress=show_progress, parallel=a.parallel, experts=a.experts)
     args = model.args
     print(f"loaded {args.num_hidden_layers} layers in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print(f"ckpt={a.ckpt} backend={a.backend} numerics={model.numerics} attention={model.attention} "

@@ -257,7 +257,7 @@ class Transformer:
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics=None, attention="sparse", indexer=None,
                         max_seq_len=None, device=None, progress=None, probe=True, n_layers=None, parallel=None,
-                        ops=None):
+                        ops=None, experts=None):
         """Open a checkpoint folder in the real layout: DeepSeek-V3.2-Exp here, DeepSeek-V4 (config.json's
         model_type deepseek_v4) as model_v4.TransformerV4 with the options that apply to it.
         numerics: "official" (None: the default) or "exact".
@@ -268,13 +268,17 @@ class Transformer:
         parallel: a parallel.Parallel (tensor/expert parallelism over torch.distributed ranks): this
         rank's slices of the weights and the op table with the collectives, applied from outside.
         ops: an op table to load onto instead of the backend's default (tests: the DSA kernels in the
-        Triton interpreter on the CPU)."""
+        Triton interpreter on the CPU).
+        experts: DeepSeek-V4's routed experts as stored ("fp4", the default) or re-encoded at load to
+        128x128 block FP8 ("fp8": exact, twice the bytes; model_v4.reencode_experts)."""
         ck = checkpoint.Checkpoint(path)
         if ck.config.get("model_type") == "deepseek_v4":             # one entry point for both models
             import model_v4
             return model_v4.TransformerV4.from_pretrained(path, backend, numerics, attention, indexer, max_seq_len,
                                                           device, progress, n_layers, parallel,
-                                                          ops or make_ops(backend, device), ck, probe)
+                                                          ops or make_ops(backend, device), ck, probe, experts)
+        if experts is not None:
+            raise ValueError(f"experts={experts!r}: DeepSeek-V3.2-Exp's experts are FP8 as stored (the option is V4's)")
         numerics = numerics or "official"
         ops = ops or make_ops(backend, device)
         if parallel is not None:

@@ -142,7 +142,8 @@ def probe_experts(w, host_layers, ops, rows=2):
     numerics: act_quant, the FP4 GEMM), against the product with the checkpoint's own bytes decoded by
     the format's table in float64. A layout mismatch stops the load, naming layer, expert and matrix."""
     for i, (lw, hw) in enumerate(zip(w["layers"], host_layers)):
-        for e, (dev, host) in enumerate(zip(lw["ffn"]["experts"], hw["ffn"]["experts"])):
+        stored = hw["ffn"].get("fp4_experts", hw["ffn"]["experts"])       # the checkpoint's bytes (reencode_experts)
+        for e, (dev, host) in enumerate(zip(lw["ffn"]["experts"], stored)):
             for name in ("w1", "w2", "w3"):
                 ref_w = checkpoint_values(host[name])                                       # [N, K]
                 x = quant.bf16_round(np.sin(np.arange(rows * ref_w.shape[1]) * 0.37).reshape(rows, -1))
@@ -155,6 +156,22 @@ def probe_experts(w, host_layers, ops, rows=2):
                     raise checkpoint.LoadError(
                         f"layer {i} expert {e} {name}: the backend's weights give {err:.0%} relative error against "
                         "the checkpoint's bytes (a layout mismatch between loader and kernel?)")
+
+
+def reencode_experts(lw, i):
+    """Layer i's routed experts re-encoded from MXFP4 to 128x128 block FP8, exactly (quant.fp4_to_fp8_blocks):
+    the route that runs V4's experts through V3.2's FP8 GEMMs at twice the bytes. The layer keeps its FP4
+    originals under "fp4_experts" for the load-time probe (probe_experts checks the FP8 copies against
+    the checkpoint's own FP4 bytes)."""
+    def fp8(W, name):
+        if W.w.dtype != np.uint8:
+            return W
+        try:
+            return quant.Weight(*quant.fp4_to_fp8_blocks(np.asarray(W.w), np.asarray(W.scale, np.float32)))
+        except ValueError as e:
+            raise checkpoint.LoadError(f"layer {i} {name}: {e} (load with experts='fp4')") from None
+    ex = [{k: fp8(W, f"expert {e} {k}") for k, W in m.items()} for e, m in enumerate(lw["ffn"]["experts"])]
+    return dict(lw, ffn=dict(lw["ffn"], experts=ex, fp4_experts=lw["ffn"]["experts"]))
 
 
 def derive_weights(w, ops):
@@ -211,10 +228,13 @@ class TransformerV4:
 
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics=None, attention="sparse", indexer=None, max_seq_len=None,
-                        device=None, progress=None, n_layers=None, parallel=None, ops=None, ck=None, probe=True):
+                        device=None, progress=None, n_layers=None, parallel=None, ops=None, ck=None, probe=True,
+                        experts=None):
         """The checkpoint folder in the official layout (model.Transformer.from_pretrained comes here for
         a deepseek_v4 config). Options that do not apply to V4 yet are refused in one line."""
         numerics = numerics or "official"
+        if experts not in (None, "fp4", "fp8"):
+            raise ValueError(f"experts must be 'fp4' (as stored) or 'fp8' (re-encoded at load), got {experts!r}")
         if indexer is not None:
             raise ValueError(f"indexer={indexer!r}: DeepSeek-V4's indexer precision follows numerics (FP4 in official)")
         if ops is None and backend != "numpy":
@@ -242,7 +262,10 @@ class TransformerV4:
         if parallel is not None:                          # this rank's slices, and the ops with the collectives
             w, args = parallel.shard_v4(w, args)
             ops = parallel.wrap(ops)
-        held = to_backend(w, ops)
+        if experts == "fp8":                              # this rank's experts, FP8 beside their FP4 originals
+            w = dict(w, layers=[reencode_experts(lw, i) for i, lw in enumerate(w["layers"])])
+        held = to_backend(dict(w, layers=[dict(lw, ffn={k: v for k, v in lw["ffn"].items() if k != "fp4_experts"})
+                                          for lw in w["layers"]]), ops)
         if ops is not NUMPY_OPS and probe:               # NumPy computes on the checkpoint's own arrays
             probe_experts(held, w["layers"], ops)
         return cls(args, held, path, numerics, attention, ops)

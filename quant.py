@@ -209,6 +209,33 @@ def fp4_dequant(packed, s):  # [N, K/2] uint8, [N, K/32] -> [N, K] float32
     return (v.reshape(N, -1, MX_BLOCK) * s[..., None]).reshape(N, -1)
 
 
+FP4_FP8_SPREAD = 14  # binades of 1x32 scales one 128x128 FP8 block holds exactly (below)
+
+
+def fp4_to_fp8_blocks(packed, s):  # [N, K/2] uint8, [N, K/32] -> [N, K] e4m3, [N/128, K/128] float32, exactly
+    """The FP4 experts re-encoded once at load for the block-FP8 GEMM (issue 19's second route: twice the
+    bytes, the GEMM V3.2 already has). An e2m1 value times its scale 2^e is c 2^e, c in {0.5, 1, ..., 6};
+    with a block scale S = 2^(e_max - 6) each becomes c 2^(e - e_max + 6): at most 6 2^6 = 384 <= 448, and
+    exact in e4m3 down to its smallest subnormal 2^-9, i.e. while e_max - e <= 14 (FP4_FP8_SPREAD) for
+    every 1x32 scale of the block. A block whose scales spread wider would round: refused (ValueError),
+    naming it, so the loader keeps the FP4 route."""
+    N, K = packed.shape[0], 2 * packed.shape[1]
+    if N % BLOCK or K % BLOCK or s.shape != (N, K // MX_BLOCK):
+        raise ValueError(f"fp4_to_fp8_blocks: weights [{N}, {K}] must be whole {BLOCK}x{BLOCK} blocks, scales {s.shape}")
+    e = np.log2(np.asarray(s, np.float64))                                       # [N, K/32] integer exponents
+    eb = e.reshape(N // BLOCK, BLOCK, K // BLOCK, BLOCK // MX_BLOCK)
+    e_max, e_min = eb.max((1, 3)), eb.min((1, 3))                                # [N/128, K/128]
+    wide = np.argwhere(e_max - e_min > FP4_FP8_SPREAD)
+    if len(wide):
+        (i, j), = wide[:1]
+        raise ValueError(f"fp4_to_fp8_blocks: the 1x32 scales of block ({i}, {j}) span {e_max[i, j] - e_min[i, j]:.0f} "
+                         f"binades (> {FP4_FP8_SPREAD}): not exact in one e4m3 block")
+    S = np.exp2(e_max - 6)                                                       # [N/128, K/128] block scales
+    v = fp4_dequant(packed, s).astype(np.float64)                                # exact values [N, K]
+    codes = round_once(v / np.repeat(np.repeat(S, BLOCK, 0), BLOCK, 1), E4M3)      # exact by the bound above
+    return codes, S.astype(np.float32)
+
+
 def fp4_gemm(a, sa, packed, sb):  # [M, K] fp8, [M, K/128], [N, K/2] e2m1 pairs, [N, K/32] -> [M, N] f32
     """V4's expert GEMM: the FP4 weights widened to FP8 (exact), then per 32-wide K block the fp8 x fp8
     partial sum (exact in float64, rounded to fp32 as the accumulator), promoted by the activation's

@@ -16,7 +16,8 @@ run (the contexts it reached), and the KV-cache bytes each model keeps per token
 
     whole     decode tok/s of the 43-layer model at batch 1, ESTIMATED as the sum of measured parts:
               2 SWA + 21 CSA + 20 HCA attention sublayers (eager), 43 MoE sublayers (eager: 256 FP4
-              experts, top-6 + the shared one), 86 mHC pairs (hc_mix_pre + hc_post, graph) and the fp32
+              experts, top-6 + the shared one; the same with the experts re-encoded to block FP8, the
+              second route, measured beside it), 86 mHC pairs (hc_mix_pre + hc_post, graph) and the fp32
               head (graph); beside the gfx90a report's 74.5 tok/s (four GPUs, tensor parallel)
 
 The caches hold random values for position L (the costs do not depend on them).
@@ -83,8 +84,10 @@ def render(d):
         lines.append(f"| {L // 1024}K | " + " | ".join(cells) + " |")
     p = d.get("parts_us")
     if p:
+        fp8 = (f"; with the experts re-encoded to block FP8 b1 {p['moe_fp8_b1']:.1f}, b{BATCH} {p[f'moe_fp8_b{BATCH}']:.1f}"
+               if "moe_fp8_b1" in p else "")
         lines += ["", f"Other parts, us per decode step: MoE sublayer b1 {p['moe_b1']:.1f} (eager), b{BATCH} "
-                  f"{p[f'moe_b{BATCH}']:.1f} per token; mHC pair (hc_mix_pre + hc_post) b1 {p['hc_b1']:.1f}, b{BATCH} "
+                  f"{p[f'moe_b{BATCH}']:.1f} per token{fp8}; mHC pair (hc_mix_pre + hc_post) b1 {p['hc_b1']:.1f}, b{BATCH} "
                   f"{p[f'hc_b{BATCH}']:.1f} per token (graph); fp32 head b1 {p['head_b1']:.1f} (graph)"]
         for L, (us, tps) in d.get("whole_b1", {}).items():
             lines.append(f"Whole model at {int(L) // 1024}K, batch 1, ESTIMATED from the parts: {us / 1e3:.1f} ms a token, "
@@ -301,12 +304,16 @@ def other_parts(ops, args, gen, sync_time, graph_time):
            "gate_bias": torch.zeros(E, device=dev),
            "experts": [{"w1": fp4(I, d), "w3": fp4(I, d), "w2": fp4(d, I)} for _ in range(E)],
            "shared_experts": {"w1": fp8(I, d), "w3": fp8(I, d), "w2": fp8(d, I)}}
+    # the second route: the experts re-encoded at load to 128x128 block FP8 (--experts fp8; random FP8 of the
+    # same shapes here: the cost does not depend on the values), through the FP8 GEMM
+    ffn8 = dict(ffn, experts=[{"w1": fp8(I, d), "w3": fp8(I, d), "w2": fp8(d, I)} for _ in range(E)])
     out = {}
     for B in (1, BATCH):
         x = torch.randn(B, d, device=dev, generator=gen).to(torch.bfloat16).float()
         tok = torch.zeros(B, dtype=torch.long, device=dev)
-        ops.v4_moe(x, ffn, args, True, tok, True)
-        out[f"moe_b{B}"] = 1e6 * sync_time(lambda: ops.v4_moe(x, ffn, args, True, tok, True), STEPS) / B
+        for key, f in (("moe", ffn), ("moe_fp8", ffn8)):
+            ops.v4_moe(x, f, args, True, tok, True)
+            out[f"{key}_b{B}"] = 1e6 * sync_time(lambda: ops.v4_moe(x, f, args, True, tok, True), STEPS) / B
         n = args.hc_mult
         X = torch.randn(B, n, d, device=dev, generator=gen).to(torch.bfloat16).float()
         fn = torch.randn((2 + n) * n, n * d, device=dev, generator=gen) * (n * d) ** -0.5
@@ -319,7 +326,7 @@ def other_parts(ops, args, gen, sync_time, graph_time):
     head = torch.randn(129280, d, device=dev, generator=gen) * d ** -0.5
     h = torch.randn(1, d, device=dev, generator=gen)
     out["head_b1"] = 1e6 * graph_time(lambda: h @ head.T)
-    del ffn, head
+    del ffn, ffn8, head
     torch.cuda.empty_cache()
     print("parts", {k: round(v, 2) for k, v in out.items()}, flush=True)
     return out

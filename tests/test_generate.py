@@ -391,6 +391,20 @@ def test_dsa_and_figure3_tables_render_from_the_stored_runs():
     assert (ROOT / "bench" / "fig3_h200_2026-11-30.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_v4_cost_curve_renders_from_the_stored_run():
+    # bench/RESULTS.md's V4 table and figures are the stored run's, and its claims' ratios are the JSON's
+    import json
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_v4
+    d = json.loads((ROOT / "bench" / "v4_h200_2026-12-01.json").read_text())
+    lines = bench_v4.render(d).splitlines()
+    results = (ROOT / "bench" / "RESULTS.md").read_text()
+    assert "NVIDIA H200" in lines[0] and all(line in results for line in lines[2:])
+    assert d["kv_bytes_per_token"] == bench_v4.kv_bytes() and d["flops_1m"] == bench_v4.flops_per_token(1 << 20)
+    assert "7.3%" in results and "12.1%" in results
+    assert (ROOT / "bench" / "v4_h200_2026-12-01.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_dsa_benchmark_script_runs(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_dsa.py"), "--smoke", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)

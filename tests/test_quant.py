@@ -5,7 +5,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 import quant
@@ -205,3 +205,24 @@ def test_round_once_differs_from_double_rounding():
     x = np.array([1 + 2.0 ** -8 + 2.0 ** -30])
     assert float(x.astype(np.float32).astype(quant.BF16)[0]) == 1.0
     assert float(quant.round_once(x, quant.BF16)[0]) == 1 + 2.0 ** -7
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 2), st.integers(1, 3), st.integers(-20, 10), st.integers(0, 14), st.integers(0, 2 ** 31))
+def test_fp4_to_fp8_blocks_is_exact(nb, kb, e_lo, spread, seed):
+    # every FP4 value times its 1x32 scale, re-encoded in 128x128 e4m3 blocks, decodes (ml_dtypes, float64)
+    # to the same number while a block's scales span at most 14 binades; one more binade is refused
+    rng = np.random.default_rng(seed)
+    N, K = 128 * nb, 128 * kb
+    packed = rng.integers(0, 256, (N, K // 2)).astype(np.uint8)
+    s = np.exp2(rng.integers(e_lo, e_lo + spread + 1, (N, K // 32))).astype(np.float32)
+    s[0, 0], s[-1, -1] = 2.0 ** e_lo, 2.0 ** (e_lo + spread)                     # the span reached in some block
+    want = quant.fp4_dequant(packed, s).astype(np.float64)
+    codes, S = quant.fp4_to_fp8_blocks(packed, s)
+    assert codes.dtype == quant.E4M3 and S.shape == (nb, kb)
+    got = codes.astype(np.float64) * np.repeat(np.repeat(S.astype(np.float64), 128, 0), 128, 1)
+    np.testing.assert_array_equal(got, want)
+    s[0, 1] = 2.0 ** (e_lo + 15)                                                 # block (0, 0) now spans 15
+    s[0, 0] = 2.0 ** e_lo
+    with pytest.raises(ValueError, match=r"block \(0, 0\) span 15 binades"):
+        quant.fp4_to_fp8_blocks(packed, s)

@@ -549,3 +549,37 @@ def test_compressor_state_at_every_boundary(B1, m, first, chunks, seed):
     assert parts.keys.shape == whole.keys.shape == (B, h.shape[1] // m, c)
     if whole.keys.size:
         assert np.abs(parts.keys - whole.keys).max() <= 1e-5 * max(1.0, np.abs(whole.keys).max())
+
+
+def test_experts_reencoded_to_fp8_at_load(tiny_v4, monkeypatch):
+    # the second route for the FP4 experts: 128x128 block FP8 made at load (quant.fp4_to_fp8_blocks). Exact
+    # numerics compute on the dequantized values, which are the same numbers: the same logits bit for bit.
+    # Official numerics: the FP8 GEMM promotes per 128 instead of per 32 (fp32 roundings of exact products):
+    # the MoE sublayer within the bf16 bound of test_torch_official_sublayers_within_a_bf16_ulp_of_numpy
+    from checkpoint import LoadError
+    from model import Transformer
+    tokens = np.random.default_rng(6).integers(0, 129280, (1, 24))
+    fp4 = Transformer.from_pretrained(tiny_v4, numerics="exact")
+    fp8 = Transformer.from_pretrained(tiny_v4, numerics="exact", experts="fp8")
+    W = fp8.w["layers"][2]["ffn"]["experts"][5]["w2"]
+    assert W.w.dtype == quant.E4M3 and W.scale.shape == (W.w.shape[0] // 128, W.w.shape[1] // 128)
+    np.testing.assert_array_equal(fp8.forward(tokens, all_positions=True), fp4.forward(tokens, all_positions=True))
+    t4 = Transformer.from_pretrained(tiny_v4, backend="torch", device="cpu")
+    t8 = Transformer.from_pretrained(tiny_v4, backend="torch", device="cpu", experts="fp8")
+    a = t4.args
+    x = torch.from_numpy(quant.bf16_round(np.random.default_rng(0).standard_normal((30, a.hidden_size))))
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, a.vocab_size, 30))
+    for i in (0, 2):                                                          # a hash layer and a top-k layer
+        z4 = t4.ops.v4_moe(x, t4.w["layers"][i]["ffn"], a, True, ids, True).numpy()
+        z8 = t8.ops.v4_moe(x, t8.w["layers"][i]["ffn"], a, True, ids, True).numpy()
+        assert np.abs(z8 - z4).max() <= 2 ** -7 * np.abs(z4).max(), i
+    real = quant.fp4_to_fp8_blocks                                            # a re-encode that loses the row order
+    monkeypatch.setattr(quant, "fp4_to_fp8_blocks", lambda p, s: (lambda c, S: (c[::-1].copy(), S))(*real(p, s)))
+    with pytest.raises(LoadError, match=r"layer 0 expert 0 w1: the backend's weights give \d+% relative error"):
+        Transformer.from_pretrained(tiny_v4, backend="torch", device="cpu", experts="fp8")
+    with pytest.raises(ValueError, match="experts must be 'fp4'"):
+        Transformer.from_pretrained(tiny_v4, experts="fp2")
+    v32 = checkpoint.write_checkpoint(tiny_v4.parent / "v32", checkpoint.tiny_config(), checkpoint.random_weights(
+        checkpoint.tiny_config(), 0))
+    with pytest.raises(ValueError, match="DeepSeek-V3.2-Exp's experts are FP8 as stored"):
+        Transformer.from_pretrained(v32, experts="fp8")
