@@ -420,8 +420,9 @@ def experts(mlps, *, device, kern=None):  # the routed experts -> stacked: w13 [
     stack = {}
     for name, parts in (("w13", ("w1", "w3")), ("w2", ("w2",))):
         Ws = [[weight(m[k], device=device, kern=kern) for k in parts] for m in mlps]
+        scaled = Ws[0][0].scale is not None                                 # unquantized experts: no scales
         stack[name] = quant.Weight(torch.stack([torch.cat([W.w for W in ws]) for ws in Ws]),
-                                   torch.stack([torch.cat([W.scale for W in ws]) for ws in Ws]))
+                                   torch.stack([torch.cat([W.scale for W in ws]) for ws in Ws]) if scaled else None)
     return stack
 
 
@@ -526,6 +527,8 @@ def moe(x, p, args, official, *, kern=None):  # moe.moe_ref: routed experts in e
 
 
 def expert_linear(x, ffn, e, name, *, kern=None):  # one expert's w1 / w3 / w2 through the fast path's own layout
+    if ffn["w13"].w.dtype == torch.uint8 or ffn["w13"].scale is None:   # V4's FP4 (or unquantized) experts: the
+        return linear(x, expert_weights(ffn, e)[name], True, kern=kern)    # linear on expert e's view
     M = x.shape[0]
     P = -(-M // 16) * 16
     rows = torch.full((P,), -1, dtype=torch.int32, device=x.device)
@@ -787,8 +790,10 @@ def v4_output(o, p, args, cos, sin, official, kern=None):  # o [B, T, H, c] -> R
     return lin(bf16_round(zg) if official else zg, p["wo_b"], official)
 
 
-def moe_v4(x, p, args, official, tokens, weight_inside=False, *, kern=None):  # moe.moe_ref, V4's: hash routing, clamp, weight
-    lin = partial(linear, kern=kern)
+def moe_v4(x, p, args, official, tokens, weight_inside=False, *, kern=None, v4k=None):
+    """moe.moe_ref, V4's: sqrtsoftplus or hash routing, the clamped SwiGLU, official numerics' routing
+    weight before w2. The routed experts as a list (one at a time, as the reference), or stacked (p["w13"],
+    p["w2"]: ops.v4_experts at load) for routed_v4's grouped GEMMs."""
     logits = matmul_f32(x.float(), p["gate"].w.float().T)
     act = (lambda v: torch.sqrt(torch.nn.functional.softplus(v))) if args.scoring_func == "sqrtsoftplus" else torch.sigmoid
     s = f64(act, logits)
@@ -800,25 +805,77 @@ def moe_v4(x, p, args, official, tokens, weight_inside=False, *, kern=None):  # 
     w = w / w.sum(-1, keepdim=True) * np.float32(args.routed_scaling_factor) if args.norm_topk_prob \
         else w * np.float32(args.routed_scaling_factor)
     rnd = bf16_round if official else no_round
-    lim = args.swiglu_limit
-
-    def ffn(h, q, weight=None):  # moe.mlp_ref with the clamp
-        a, b = lin(h, q["w1"], official).clamp(max=lim), lin(h, q["w3"], official).clamp(-lim, lim)
-        y = f64(torch.nn.functional.silu, a) * b
-        return lin(rnd(y if weight is None else y * weight[:, None]), q["w2"], official)
-
-    y = torch.zeros(x.shape, device=x.device)
-    e0, e1 = p.get("expert_range", (0, len(p["experts"])))   # parallel.py: this rank's experts only
-    for e in torch.unique(idx).tolist():                # ascending expert id, fp32 sum
-        if not e0 <= e < e1:
-            continue
-        tok, slot = torch.nonzero(idx == e, as_tuple=True)
-        if weight_inside:
-            y[tok] += ffn(x[tok], p["experts"][e - e0], w[tok, slot])
-        else:
-            y[tok] += ffn(x[tok], p["experts"][e - e0]) * w[tok, slot, None]
-    y += ffn(x, p["shared_experts"])
+    e0 = p.get("expert_range", (0,))[0]                 # parallel.py: this rank's experts start at e0
+    if "w13" in p:
+        out = routed_v4(x, p, idx, w if weight_inside else None, args, official, e0, kern=kern, v4k=v4k)
+        y = weighted_sum(torch.ones_like(w) if weight_inside else w, idx, out)   # fp32, each token's in id order
+    else:
+        y = torch.zeros(x.shape, device=x.device)
+        for e in torch.unique(idx).tolist():            # ascending expert id, fp32 sum
+            if not e0 <= e < e0 + len(p["experts"]):
+                continue
+            tok, slot = torch.nonzero(idx == e, as_tuple=True)
+            if weight_inside:
+                y[tok] += swiglu_v4(x[tok], p["experts"][e - e0], args, official, w[tok, slot], kern=kern)
+            else:
+                y[tok] += swiglu_v4(x[tok], p["experts"][e - e0], args, official, kern=kern) * w[tok, slot, None]
+    y += swiglu_v4(x, p["shared_experts"], args, official, kern=kern)
     return rnd(y)
+
+
+def swiglu_v4(h, q, args, official, weight=None, *, kern=None):  # moe.mlp_ref with the clamp (and the weight inside)
+    lim = args.swiglu_limit
+    a = linear(h, q["w1"], official, kern=kern).clamp(max=lim)
+    b = linear(h, q["w3"], official, kern=kern).clamp(-lim, lim)
+    y = f64(torch.nn.functional.silu, a) * b
+    y = y if weight is None else y * weight[:, None]
+    return linear(bf16_round(y) if official else y, q["w2"], official, kern=kern)
+
+
+def expert_weights(p, e):  # expert e's w1, w3, w2 as views of the stacked layout (w13: gate rows, then up rows)
+    W13, W2 = p["w13"], p["w2"]
+    I = W13.w.shape[1] // 2
+    r = I if W13.scale is None or W13.w.dtype == torch.uint8 else I // 128    # FP4: a scale row per row
+    sc = (lambda S, sl: None if S is None else S[e, sl])
+    return {"w1": quant.Weight(W13.w[e, :I], sc(W13.scale, slice(0, r))),
+            "w3": quant.Weight(W13.w[e, I:], sc(W13.scale, slice(r, None))), "w2": quant.Weight(W2.w[e], sc(W2.scale, slice(None)))}
+
+
+def routed_v4(x, p, idx, w, args, official, e0=0, *, kern=None, v4k=None):
+    """Each (token, expert) pair's clamped SwiGLU on the stacked experts -> [M, Kt, d] (pairs whose expert is
+    on another rank: 0). w: the routing weights to apply before w2 (official numerics), or None. Official
+    numerics with the V4 kernels: the grouped GEMMs over all the layer's experts (kernels_fp8.moe_gemm for
+    FP8, kernels_v4.fp4_moe_gemm for FP4), rows gathered by route(), no host synchronisation; otherwise
+    one expert at a time."""
+    W13, W2 = p["w13"], p["w2"]
+    E = W13.w.shape[0]
+    M, Kt = idx.shape
+    local = idx - e0
+    held = (local >= 0) & (local < E)
+    if not (official and v4k is not None and W13.scale is not None):
+        out = torch.zeros(M, Kt, x.shape[1], device=x.device)
+        for e in torch.unique(local[held]).tolist():
+            tok, slot = torch.nonzero(local == e, as_tuple=True)
+            out[tok, slot] = swiglu_v4(x[tok], expert_weights(p, e), args, official, None if w is None else w[tok, slot],
+                                       kern=kern)
+        return out
+    fp4 = W13.w.dtype == torch.uint8
+    rows, pair_at, block_expert = route(torch.where(held, local, E), E + 1, 16)   # E: elsewhere, its blocks skipped
+    block_expert = torch.where(block_expert == E, -1, block_expert)
+
+    def gemm(q, s, W, r):  # [P, N] bf16 values
+        if fp4:
+            return bf16_round(v4k.fp4_moe_gemm(q, s, W.w, W.scale, r, block_expert, fnuz=q.dtype == torch.float8_e4m3fnuz))
+        return grouped(q, s, W, r, block_expert, kern=v4k)
+    g = gemm(*act_quant(x, kern=kern), W13, rows)                                  # [P, 2I]: gate | up
+    I, lim = g.shape[1] // 2, args.swiglu_limit
+    y = f64(torch.nn.functional.silu, g[:, :I].clamp(max=lim)) * g[:, I:].clamp(-lim, lim)
+    if w is not None:                                                               # each row's pair's weight
+        y = y * torch.cat([w.reshape(-1), w.new_zeros(1)])[pair_at][:, None]
+    rows_self = torch.where(rows >= 0, torch.arange(rows.shape[0], device=x.device, dtype=torch.int32), -1)
+    o = gemm(*act_quant(bf16_round(y), kern=kern), W2, rows_self)                   # [P, d]
+    out = torch.zeros(M * Kt + 1, x.shape[1], device=x.device).index_copy_(0, pair_at, o)   # padding -> the trash row
+    return out[:M * Kt].view(M, Kt, -1)
 
 
 # -----------------------------------------------------------------------------
@@ -861,7 +918,8 @@ def torch_ops(device, kernels=True, dsa=None, v4=None):
         latent_attention=partial(latent_attention, dsa=dsa, **K) if dsa else None,
         selection_mask=selection_mask if dsa else None,
         hc_mix_pre=partial(hc_mix_pre, **V), hc_post=partial(hc_post, **V), hc_head=partial(hc_head, **K),
-        v4_norm=v4_norm, v4_attention=partial(attention_v4, **V, **K), v4_moe=partial(moe_v4, **K),
+        v4_norm=v4_norm, v4_attention=partial(attention_v4, **V, **K), v4_moe=partial(moe_v4, **V, **K),
+        v4_experts=partial(experts, device=device, **K) if v4 else None,
         matmul_f32=matmul_f32,
         v4_zeros=lambda shape: torch.zeros(shape, device=device),
     )

@@ -25,7 +25,7 @@ import torch
 
 import kernels_cuda as _k
 import quant_torch
-from kernels_v4 import fp4_gemm, hc_mix_pre, hc_post, index_scores_v4, sparse_attention  # noqa: F401  V4: decoded from bytes, no vendor FP8: the same kernels
+from kernels_v4 import fp4_gemm, fp4_moe_gemm, hc_mix_pre, hc_post, index_scores_v4, sparse_attention  # noqa: F401  V4: the same kernels
 
 ARCHS = {  # gfx name -> FP8 storage dtype, its maximum, decode in-kernel (no FP8 hardware), decode the
            # packed latent's e4m3fn bytes by integer arithmetic (no native OCP FP8 conversion)

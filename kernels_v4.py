@@ -18,6 +18,8 @@ shared-KV sparse attention with its sink (§2.3, attention_v4.py) and the FP4 ex
     fp4_gemm          the routed experts' GEMM: FP8 activations (1x128 scales) times MXFP4 weights (two
                       e2m1 codes a byte, the low nibble first; one E8M0 scale per 32), per 32-wide K
                       block the partial sum promoted by both scales      reference: quant.fp4_gemm
+    fp4_moe_gemm      the same over a layer's stacked experts, token rows gathered, one expert per
+                      16-row block (as kernels_fp8.moe_gemm)             reference: quant.fp4_gemm per expert
 
 Numerics: fp32 sums, as the official code. The references sum in float64 (quant.matmul_f32) where the
 official code's order is not defined, so results agree to float32 rounding, not bit for bit, and a bf16
@@ -169,18 +171,33 @@ def _e2m1_decode(nib):
 
 
 @triton.jit
-def _fp4_gemm_kernel(A, SA, B, SB, C, M, N, K, KB_SPLIT, FNUZ: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-    """Reference: quant.fp4_gemm. A [M, K] e4m3 bytes, SA [M, K/128], B [N, K/2] e2m1 pairs, SB [N, K/32].
-    Program (i, j, s) sums the 32-wide K blocks [s KB_SPLIT, (s + 1) KB_SPLIT) into C[s] (split K)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _fp4_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, M, N, K, KB_SPLIT, GROUPED: tl.constexpr,
+                     FNUZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Reference: quant.fp4_gemm. A [*, K] e4m3 bytes, SA [*, K/128], B [E, N, K/2] e2m1 pairs, SB [E, N, K/32].
+    Program (i, j, s) sums the 32-wide K blocks [s KB_SPLIT, (s + 1) KB_SPLIT) into C[s] (split K).
+    GROUPED (the routed experts, as kernels_fp8.moe_gemm): output row p is A[ROWS[p]] times expert
+    BLOCK_EXPERT[p / BLOCK_M]'s weights (ROWS -1: padding; BLOCK_EXPERT -1: an unused block); else
+    output row p is A[p] times B[0], for p < M."""
+    pid_m = tl.program_id(0)
+    p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                                        # output rows
+    nkb = K // 32
+    if GROUPED:
+        e = tl.load(BLOCK_EXPERT + pid_m)
+        rows = tl.load(ROWS + p)
+        in_m = rows >= 0                                                               # an unused block's are all -1
+        rows = tl.where(in_m, rows, 0)
+        nkb = tl.where(e >= 0, nkb, 0)                                                 # unused block: no work
+        B += tl.maximum(e, 0).to(tl.int64) * N * (K // 2)
+        SB += tl.maximum(e, 0).to(tl.int64) * N * (K // 32)
+    else:
+        rows, in_m = p, p < M
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_m, in_n = rows < M, cols < N
+    in_n = cols < N
     k32 = tl.arange(0, 32)
     k16 = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     kb0 = tl.program_id(2) * KB_SPLIT
-    for kb in range(kb0, tl.minimum(kb0 + KB_SPLIT, K // 32)):
+    for kb in range(kb0, tl.minimum(kb0 + KB_SPLIT, nkb)):
         a = _e4m3_decode(tl.load(A + rows[:, None].to(tl.int64) * K + kb * 32 + k32[None, :], mask=in_m[:, None],
                                  other=0), FNUZ).to(tl.float16)                          # [BLOCK_M, 32]
         pairs = tl.load(B + cols[:, None].to(tl.int64) * (K // 2) + kb * 16 + k16[None, :], mask=in_n[:, None], other=0)
@@ -191,7 +208,7 @@ def _fp4_gemm_kernel(A, SA, B, SB, C, M, N, K, KB_SPLIT, FNUZ: tl.constexpr, BLO
         sb = tl.load(SB + cols * (K // 32) + kb, mask=in_n, other=0.0)
         acc += (partial * sa[:, None]) * sb[None, :]                                     # as the reference, in order
     C += tl.program_id(2).to(tl.int64) * M * N
-    tl.store(C + rows[:, None].to(tl.int64) * N + cols[None, :], acc, mask=in_m[:, None] & in_n[None, :])
+    tl.store(C + p[:, None].to(tl.int64) * N + cols[None, :], acc, mask=in_m[:, None] & in_n[None, :])
 
 
 def fp4_gemm(a, sa, packed, sb, fnuz=False):  # [M, K] e4m3, [M, K/128], [N, K/2] uint8, [N, K/32] -> [M, N] f32
@@ -211,8 +228,30 @@ def fp4_gemm(a, sa, packed, sb, fnuz=False):  # [M, K] e4m3, [M, K/128], [N, K/2
     c = torch.empty(splits, M, N, dtype=torch.float32, device=a.device)
     _fp4_gemm_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), splits)](
         a.contiguous().view(torch.uint8), sa.float().contiguous(), packed.contiguous().view(torch.uint8),
-        sb.float().contiguous(), c, M, N, K, kb_split, FNUZ=fnuz, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+        sb.float().contiguous(), c, c, c, M, N, K, kb_split, GROUPED=False, FNUZ=fnuz, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, num_warps=4)
     return c[0] if splits == 1 else c.sum(0)
+
+
+def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False):
+    """The routed experts' FP4 GEMM, grouped as kernels_fp8.moe_gemm: a [R, K] e4m3, sa [R, K/128],
+    packed [E, N, K/2] uint8, sb [E, N, K/32], rows [P] int32 (-1 padding), block_expert [P / 16] int32
+    (-1 unused) -> [P, N] float32 (padding rows unwritten). Reference: quant.fp4_gemm on each row
+    block's expert."""
+    R, K = a.shape
+    E, N = packed.shape[:2]
+    P = rows.shape[0]
+    BLOCK_M, BLOCK_N = 16, 64
+    if K % 128 or packed.shape != (E, N, K // 2) or sb.shape != (E, N, K // 32) or P % BLOCK_M \
+            or block_expert.shape != (P // BLOCK_M,):
+        raise ValueError(f"fp4_moe_gemm: a {tuple(a.shape)}, weights {tuple(packed.shape)}, scales {tuple(sb.shape)}, "
+                         f"rows {tuple(rows.shape)}, block_expert {tuple(block_expert.shape)} do not agree")
+    c = torch.empty(P, N, dtype=torch.float32, device=a.device)
+    _fp4_gemm_kernel[(P // BLOCK_M, triton.cdiv(N, BLOCK_N), 1)](
+        a.contiguous().view(torch.uint8), sa.float().contiguous(), packed.contiguous().view(torch.uint8),
+        sb.float().contiguous(), c, rows.to(torch.int32).contiguous(), block_expert.to(torch.int32).contiguous(),
+        P, N, K, K // 32, GROUPED=True, FNUZ=fnuz, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+    return c
 
 
 # -----------------------------------------------------------------------------

@@ -140,14 +140,16 @@ def probe_experts(w, host_layers, ops, rows=2):
     """Known-answer probe at load (spec/v4_flash.md §5.2, check 2; the gfx90a report's W2): a fixed
     input through every routed expert's w1, w2 and w3 as the backend holds and runs them (official
     numerics: act_quant, the FP4 GEMM), against the product with the checkpoint's own bytes decoded by
-    the format's table in float64. A layout mismatch stops the load, naming layer, expert and matrix."""
+    the format's table in float64. A layout mismatch stops the load, naming layer, expert and matrix.
+    Stacked experts (ops.v4_experts) run through ops.expert_linear, the backend's view of expert e."""
     for i, (lw, hw) in enumerate(zip(w["layers"], host_layers)):
         stored = hw["ffn"].get("fp4_experts", hw["ffn"]["experts"])       # the checkpoint's bytes (reencode_experts)
-        for e, (dev, host) in enumerate(zip(lw["ffn"]["experts"], stored)):
+        for e, host in enumerate(stored):
             for name in ("w1", "w2", "w3"):
                 ref_w = checkpoint_values(host[name])                                       # [N, K]
                 x = quant.bf16_round(np.sin(np.arange(rows * ref_w.shape[1]) * 0.37).reshape(rows, -1))
-                got = ops.linear(ops.param(x), dev[name], True)
+                got = ops.expert_linear(ops.param(x), lw["ffn"], e, name) if "w13" in lw["ffn"] else \
+                    ops.linear(ops.param(x), lw["ffn"]["experts"][e][name], True)
                 got = np.asarray(got.float().cpu() if hasattr(got, "cpu") else got, np.float64)
                 xq = quant.act_dequant(*quant.act_quant(x)) if host[name].scale is not None else x   # FP8 / FP4: act_quant
                 ref = xq.astype(np.float64) @ ref_w.T
@@ -264,8 +266,13 @@ class TransformerV4:
             ops = parallel.wrap(ops)
         if experts == "fp8":                              # this rank's experts, FP8 beside their FP4 originals
             w = dict(w, layers=[reencode_experts(lw, i) for i, lw in enumerate(w["layers"])])
-        held = to_backend(dict(w, layers=[dict(lw, ffn={k: v for k, v in lw["ffn"].items() if k != "fp4_experts"})
+        stack = ops.v4_experts is not None                # the V4 kernels' grouped GEMMs read the experts stacked
+        held = to_backend(dict(w, layers=[dict(lw, ffn={k: v for k, v in lw["ffn"].items()
+                                                        if k != "fp4_experts" and not (stack and k == "experts")})
                                           for lw in w["layers"]]), ops)
+        if stack:
+            for dev, lw in zip(held["layers"], w["layers"]):
+                dev["ffn"].update(ops.v4_experts(lw["ffn"]["experts"]))
         if ops is not NUMPY_OPS and probe:               # NumPy computes on the checkpoint's own arrays
             probe_experts(held, w["layers"], ops)
         return cls(args, held, path, numerics, attention, ops)

@@ -120,6 +120,8 @@ class Ops:
     v4_moe: Callable | None = None         # x [M, d], weights, args, official, tokens [M], weight_inside -> [M, d]
     #                                                                                         moe.moe_ref
     matmul_f32: Callable | None = None     # a, b -> a @ b summed in float64, rounded to f32    quant.matmul_f32
+    v4_experts: Callable | None = None     # a layer's routed experts [{w1, w2, w3}, ...] -> stacked {w13, w2} for the
+    #                                        V4 kernels' grouped GEMMs (at load; None: the list stays)
     v4_zeros: Callable | None = None       # shape -> float32 zeros: the V4 caches' storage
 
     @property

@@ -214,3 +214,25 @@ def test_index_scores_v4_kernel(B, T, J, D, n, start_pos, official, seed):
         assert np.all(np.abs(got[fin] - want[fin]) <= bf16_ulp(want[fin]) * 1.0001 + J * 2.0 ** -24 * mag[fin])
     else:
         assert np.all(np.abs(got[fin] - want[fin]) <= 2.0 ** -20 * mag[fin] + 1e-30)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 5), st.integers(1, 3), st.integers(1, 100), st.integers(1, 3), st.integers(0, 2 ** 31))
+def test_fp4_moe_gemm_kernel(M, E, Kt, N, Kb, seed):
+    # the routed experts' grouped FP4 GEMM: each routed (token, expert) pair's row through its expert, rows
+    # gathered and padded by backend_torch.route as for the FP8 experts; against quant.fp4_gemm per pair
+    import backend_torch
+    rng = np.random.default_rng(seed)
+    K, Kt = 128 * Kb, min(Kt, E)
+    q, sa = quant.act_quant(rng.standard_normal((M, K)).astype(np.float32))
+    packed = rng.integers(0, 256, (E, N, K // 2)).astype(np.uint8)
+    sb = np.exp2(rng.integers(-8, -2, (E, N, K // 32))).astype(np.float32)
+    idx = np.argsort(rng.random((M, E)), 1)[:, :Kt]                                  # distinct experts per token
+    rows, pair_at, block_expert = backend_torch.route(t(idx), E, 16)
+    got = kernels_v4.fp4_moe_gemm(t(np.array(q.view(np.uint8))), t(sa), t(packed), t(sb), rows, block_expert).cpu().numpy()
+    rows, pair_at = rows.cpu().numpy(), pair_at.cpu().numpy()
+    for p in np.nonzero(rows >= 0)[0]:
+        m, e = rows[p], idx.reshape(-1)[pair_at[p]]
+        want = quant.fp4_gemm(q[m:m + 1], sa[m:m + 1], packed[e], sb[e])[0]
+        mag = quant.fp4_gemm((np.array(q[m:m + 1].view(np.uint8)) & 0x7F).view(quant.E4M3), sa[m:m + 1], packed[e] & 0x77, sb[e])[0]
+        assert np.all(np.abs(got[p] - want) <= (K // 32) * 2.0 ** -23 * mag), (p, m, e)

@@ -583,3 +583,24 @@ def test_experts_reencoded_to_fp8_at_load(tiny_v4, monkeypatch):
         checkpoint.tiny_config(), 0))
     with pytest.raises(ValueError, match="DeepSeek-V3.2-Exp's experts are FP8 as stored"):
         Transformer.from_pretrained(v32, experts="fp8")
+
+
+def test_grouped_experts_of_one_rank(tiny_v4):
+    # the stacked experts' grouped path (official numerics, kernels_v4 / kernels_fp8 in the interpreter here) with
+    # only experts 4..7 held (parallel.py's expert range): their pairs' outputs as with all 8, the others zero
+    import backend_torch
+    import kernels_cuda                                                           # the V4 kernels (GPU or interpreter)
+    from model import Transformer
+    ops = kernel_ops()
+    t = Transformer.from_pretrained(tiny_v4, backend="torch", device=str(ops.device), ops=ops)
+    p, a = t.w["layers"][2]["ffn"], t.args
+    assert p["w13"].w.dtype == torch.uint8 and "experts" not in p                  # stacked FP4, the list dropped
+    x = torch.from_numpy(quant.bf16_round(np.random.default_rng(2).standard_normal((9, a.hidden_size)))).to(ops.device)
+    idx = torch.from_numpy(np.argsort(np.random.default_rng(3).random((9, 8)), 1)[:, :2]).to(ops.device)
+    w = torch.rand(9, 2, device=ops.device)
+    full = backend_torch.routed_v4(x, p, idx, w, a, True, kern=ops.kernels, v4k=kernels_cuda)
+    half = {"w13": quant.Weight(p["w13"].w[4:], p["w13"].scale[4:]), "w2": quant.Weight(p["w2"].w[4:], p["w2"].scale[4:])}
+    part = backend_torch.routed_v4(x, half, idx, w, a, True, 4, kern=ops.kernels, v4k=kernels_cuda)
+    mine = (idx >= 4).cpu().numpy()
+    np.testing.assert_array_equal(part.cpu().numpy()[mine], full.cpu().numpy()[mine])
+    assert (part.cpu().numpy()[~mine] == 0).all() and np.abs(full.cpu().numpy()[mine]).max() > 0
