@@ -29,7 +29,6 @@ import torch
 
 import indexer
 import quant
-import rope
 from ops import Ops
 from quant_torch import F8, act_dequant, cpu_threads_for, dequant, fp8_gemm as fp8_gemm_torch, to_torch, unpack_latent
 import quant_torch
@@ -613,6 +612,14 @@ def v4_norm(x, w, eps, rnd=no_round):  # compressor.rms_norm: x * rsqrt(mean(x²
     return rnd(y if w is None else w * y)
 
 
+def rope_angles(freqs, positions):  # rope.rope_angles on the tensors' device: fp32 products, cos / sin rounded once
+    """freqs [R/2] (a device tensor: the model's, made at load; or NumPy), positions [T] int tensor ->
+    cos, sin [T, R/2] float32, with no host array or copy per call."""
+    f = torch.as_tensor(freqs, device=positions.device).float()
+    angle = positions.float()[:, None] * f[None, :]
+    return torch.cos(angle.double()).float(), torch.sin(angle.double()).float()
+
+
 def rope_tail(x, cos, sin):  # compressor.rope_tail: the trailing R dims, interleaved pairs
     R = 2 * cos.shape[-1]
     return torch.cat([x[..., :-R].float(), rope_interleaved(x[..., -R:], cos, sin)], -1)
@@ -643,7 +650,7 @@ def compress(h, p, m, overlap, start_pos, freqs, eps, state, rnd=no_round, store
         kv, z = Cw, Zw
     pooled = f64(lambda z, kv: (torch.softmax(z, 2) * kv).sum(2), z, kv)
     w0 = state.keys.shape[1]
-    cos, sin = (torch.from_numpy(a).to(h.device) for a in rope.rope_angles(freqs, m * (w0 + np.arange(k))))
+    cos, sin = rope_angles(freqs, m * (w0 + torch.arange(k, device=h.device)))
     K = rnd(rope_tail(v4_norm(rnd(pooled), p["norm"], eps, rnd)[:, :, None], cos, sin)[:, :, 0])
     K = K if stored is None else stored(K)
     state.append(K)
@@ -702,7 +709,7 @@ def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, offi
     H, c, W, R, eps = args.num_attention_heads, args.head_dim, args.sliding_window, args.qk_rope_head_dim, args.rms_norm_eps
     dev = x.device
     rnd = bf16_round if official else no_round
-    cos, sin = (torch.from_numpy(a).to(dev) for a in rope.rope_angles(freqs, start_pos + np.arange(T)))
+    cos, sin = rope_angles(freqs, start_pos + torch.arange(T, device=dev))
     qr = v4_norm(lin(x, p["wq_a"], official), p["q_norm"], eps, rnd)
     q = lin(qr, p["wq_b"], official).reshape(B, T, H, c)
     if official:                                        # attention_v4.rms_norm_bf16: every step in bf16

@@ -225,7 +225,7 @@ class TransformerV4:
         self.w = derive_weights(weights, self.ops)
         self.attention = attention                          # dense: CSA layers attend every complete window
         self.indexer = "fp4" if self.official else "exact"  # Hadamard + FP4 keys and queries, or float32
-        self.freqs = {False: args.freqs(False), True: args.freqs(True)}    # plain, and YaRN for compressed layers
+        self.freqs = {k: self.ops.param(args.freqs(k)) for k in (False, True)}   # plain, and YaRN for compressed layers
         self.caches, self.cached_len, self.planned_len = [], 0, 0
 
     @classmethod

@@ -115,7 +115,7 @@ class Ops:
     hc_post: Callable | None = None        # X, y [M, d], post, comb, official -> X' [M, n, d]   mhc.hc_post_ref
     hc_head: Callable | None = None        # X, Φ, b, α, args, official -> [M, d]              mhc.hc_head_ref
     v4_norm: Callable | None = None        # x, w or None, eps, rnd -> x * rsqrt(mean(x²) + eps) w   compressor.rms_norm
-    v4_attention: Callable | None = None   # x [B, T, d], weights, kind, m, start_pos, freqs, args, cache, sparse,
+    v4_attention: Callable | None = None   # x [B, T, d], weights, kind, m, start_pos, freqs [R/2] (the backend's), args, cache, sparse,
     #                                        official -> [B, T, d]                   attention_v4.attention_v4_forward
     v4_moe: Callable | None = None         # x [M, d], weights, args, official, tokens [M], weight_inside -> [M, d]
     #                                                                                         moe.moe_ref

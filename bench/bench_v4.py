@@ -233,7 +233,7 @@ def main():
     res = {k: {w: {} for w in ("decode_b1", "kernels_b1", f"decode_b{BATCH}", "prefill")} for k in KINDS}
     for kind in kinds:
         i = KINDS.index(kind)
-        m, freqs = args.ratio(i), args.freqs(args.ratio(i) > 0)
+        m, freqs = args.ratio(i), ops.param(args.freqs(args.ratio(i) > 0))    # on the device, as the model holds it
         p = layer(kind)
         out = res[kind]
         for L in ls:
