@@ -445,7 +445,17 @@ def main(argv=None):
         checkpoint.check_replaceable(Path(a.out))
     except (FileExistsError, NotADirectoryError) as e:
         ap.error(str(e))
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    prior = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True   # training's GEMMs in tf32
+    try:
+        return train(a)
+    finally:                                          # set back: a caller's fp32 GEMMs stay fp32 (the tests')
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prior
+
+
+def train(a):  # the recipe of main's arguments -> the checkpoint written
+    import sys
+    import time
     t0 = time.time()
     files = stdlib_files()[:a.files]
     texts = read_text(files)
