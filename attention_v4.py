@@ -37,16 +37,15 @@ class V4LayerCache:
     last n_win positions (a ring: position j in slot j mod n_win), and each compressor's state (the open
     window, every key so far; compressor.CompressorState)."""
 
-    def __init__(self, B, args, kind, p, zeros=lambda shape: np.zeros(shape, np.float32)):  # zeros: the backend's
+    def __init__(self, B, args, kind, p, zeros=lambda shape: np.zeros(shape, np.float32),
+                 state=compressor.CompressorState):      # zeros, state: the backend's storage and compressor state
         self.ring = zeros((B, args.sliding_window, args.head_dim))
         self.selected = None                            # the CSA indexer's last picks [B, T, n] (--verify)
-        self.comp = compressor.CompressorState(B, p["compressor"], zeros) if kind != "sliding_attention" else None
-        self.idx = compressor.CompressorState(B, p["indexer"]["compressor"], zeros) \
-            if kind == "compressed_sparse_attention" else None
+        self.comp = state(B, p["compressor"], zeros) if kind != "sliding_attention" else None
+        self.idx = state(B, p["indexer"]["compressor"], zeros) if kind == "compressed_sparse_attention" else None
 
     def nbytes(self):
-        states = [s for s in (self.comp, self.idx) if s is not None]
-        return self.ring.nbytes + sum(s.rows.nbytes + s.keys.nbytes + sum(a.nbytes for a in s.prev or ()) for s in states)
+        return self.ring.nbytes + sum(s.nbytes() for s in (self.comp, self.idx) if s is not None)
 
 
 def attention_ref(q, keys, allowed, sink, scale, official=False):  # [B,T,H,c], [B,S,c], [B,T,S], [H] -> [B,T,H,c]

@@ -27,6 +27,8 @@ from functools import partial
 import numpy as np
 import torch
 
+import compressor
+from attention_v4 import V4LayerCache
 import indexer
 import quant
 from ops import Ops
@@ -625,36 +627,82 @@ def rope_tail(x, cos, sin):  # compressor.rope_tail: the trailing R dims, interl
     return torch.cat([x[..., :-R].float(), rope_interleaved(x[..., -R:], cos, sin)], -1)
 
 
-def compress(h, p, m, overlap, start_pos, freqs, eps, state, rnd=no_round, stored=None):  # compressor.compress_ref
-    B, T, _ = h.shape
+class CompressorRing(compressor.CompressorState):
+    """compressor.CompressorState with every shape fixed, so that a decode step can be captured in a CUDA
+    graph: the projections [C_j | Z_j + B] of the last `span` positions in a ring (position j in slot
+    j mod span; span = 2m where windows overlap (CSA), m otherwise) in place of the open window and the
+    last complete one, and the keys in a buffer of the planned length (reserve)."""
+
+    def __init__(self, B, p, zeros):
+        super().__init__(B, p, zeros)
+        self.m = p["ape"].shape[0]
+        self.overlap = p["wkv"].w.shape[0] == 2 * p["norm"].shape[0]
+        self.span = 2 * self.m if self.overlap else self.m
+        self.win, self.rows = zeros((B, self.span, self.rows.shape[-1])), None
+
+    def nbytes(self):
+        return self.win.nbytes + self.keys.nbytes
+
+
+def compress_rows(h, p, m, positions):  # [C_j | Z_j + B_{j mod m}] [B, T, (2)c + (2)c] of h [B, T, d] at the positions
     C = matmul_f32(h, dequant(p["wkv"]).T)
-    Z = matmul_f32(h, dequant(p["wgate"]).T) + p["ape"][(start_pos + torch.arange(T, device=h.device)) % m]
-    rows = torch.cat([state.rows, torch.cat([C, Z], -1)], 1)
-    k = rows.shape[1] // m
-    full, state.rows = rows[:, :k * m], rows[:, k * m:]
-    if k == 0:
-        return state.keys[:, :0]
-    half = C.shape[-1]
-    Cw, Zw = full[..., :half].reshape(B, k, m, -1), full[..., half:].reshape(B, k, m, -1)
-    if overlap:                                         # slots [C^a of window w-1 | C^b of window w]
-        c = half // 2
-        kv = torch.zeros(B, k, 2 * m, c, device=h.device)
-        z = torch.full((B, k, 2 * m, c), -float("inf"), device=h.device)
-        kv[:, 1:, :m], z[:, 1:, :m] = Cw[:, :-1, :, :c], Zw[:, :-1, :, :c]
-        if state.prev is not None:
-            kv[:, 0, :m], z[:, 0, :m] = state.prev[0][..., :c], state.prev[1][..., :c]
-        kv[:, :, m:], z[:, :, m:] = Cw[..., c:], Zw[..., c:]
-        last = full[:, -m:]
-        state.prev = (last[..., :half], last[..., half:])
+    return torch.cat([C, matmul_f32(h, dequant(p["wgate"]).T) + p["ape"][positions % m]], -1)
+
+
+def pool(Cw, Zw, Cp, Zp, overlap):  # compressor.pool_ref: Cw, Zw [B, k, m, (2)c]; Cp, Zp [B, m, 2c] the window before
+    if overlap:                                         # slots [C^a of window w-1 | C^b of window w]; Zp -inf: none
+        c = Cw.shape[-1] // 2
+        kv = torch.cat([torch.cat([Cp[:, None, :, :c], Cw[:, :-1, :, :c]], 1), Cw[..., c:]], 2)   # [B, k, 2m, c]
+        z = torch.cat([torch.cat([Zp[:, None, :, :c], Zw[:, :-1, :, :c]], 1), Zw[..., c:]], 2)
     else:
         kv, z = Cw, Zw
-    pooled = f64(lambda z, kv: (torch.softmax(z, 2) * kv).sum(2), z, kv)
-    w0 = state.keys.shape[1]
-    cos, sin = rope_angles(freqs, m * (w0 + torch.arange(k, device=h.device)))
+    return f64(lambda z, kv: (torch.softmax(z, 2) * kv).sum(2), z, kv)                    # [B, k, c]
+
+
+def compressed_key(pooled, p, positions, freqs, eps, rnd, stored):  # Ĉ [B, k, c] -> K [B, k, c], RoPE at the positions
+    cos, sin = rope_angles(freqs, positions)
     K = rnd(rope_tail(v4_norm(rnd(pooled), p["norm"], eps, rnd)[:, :, None], cos, sin)[:, :, 0])
-    K = K if stored is None else stored(K)
+    return K if stored is None else stored(K)
+
+
+def compress(h, p, m, overlap, start_pos, freqs, eps, state, rnd=no_round, stored=None):  # compressor.compress_ref
+    """On a CompressorRing: the rows a window needs before start_pos come from the ring (at most 2m - 1)."""
+    B, T, _ = h.shape
+    dev = h.device
+    L, w0, w1 = start_pos + T, start_pos // m, (start_pos + T) // m          # windows w0 .. w1 - 1 complete here
+    base = max(w0 * m - (m if overlap else 0), 0)                           # the first position they read
+    rows = torch.cat([state.win[:, torch.arange(base, start_pos, device=dev) % state.span],
+                      compress_rows(h, p, m, start_pos + torch.arange(T, device=dev))], 1)   # positions base .. L - 1
+    keep = torch.arange(max(base, L - state.span), L, device=dev)
+    state.win[:, keep % state.span] = rows[:, keep - base]
+    k = w1 - w0
+    if k == 0:
+        return state.keys[:, :0]
+    half = rows.shape[-1] // 2
+    full = rows[:, w0 * m - base:w1 * m - base].reshape(B, k, m, -1)
+    Cp, Zp = (rows[:, :m, :half], rows[:, :m, half:]) if overlap and w0 > 0 else \
+        (rows.new_zeros(B, m, half), rows.new_full((B, m, half), -float("inf")))        # no window before: no slots
+    pooled = pool(full[..., :half], full[..., half:], Cp, Zp, overlap)
+    K = compressed_key(pooled, p, m * (w0 + torch.arange(k, device=dev)), freqs, eps, rnd, stored)
     state.append(K)
     return K
+
+
+def compress_step(h, p, m, overlap, pos, freqs, eps, state, rnd=no_round, stored=None):
+    """compress for one token at the device position pos [1] with every shape fixed (decode_static): the
+    token's row into the ring, then the key of its window w = pos // m from the ring, written to key slot w
+    at every step. A query reads slot w only once the window is complete, (pos + 1) // m > w, and by then
+    the key was written from all m of its rows."""
+    B = h.shape[0]
+    state.win.index_copy_(1, pos % state.span, compress_rows(h, p, m, pos))
+    w = pos // m
+    at = torch.arange(m, device=h.device)
+    cur = state.win[:, (w * m + at) % state.span][:, None]                             # [B, 1, m, width]
+    prev = state.win[:, ((w - 1) * m + at) % state.span] if overlap else cur[:, 0]     # [B, m, width]
+    half = cur.shape[-1] // 2
+    Cp, Zp = torch.where(w > 0, prev[..., :half], 0.0), torch.where(w > 0, prev[..., half:], -float("inf"))  # window 0: none
+    pooled = pool(cur[..., :half], cur[..., half:], Cp, Zp, overlap)
+    state.buf.index_copy_(1, w, compressed_key(pooled, p, m * w, freqs, eps, rnd, stored).reshape(B, 1, -1))
 
 
 def kv_fp8(kv, R, *, kern=None):  # attention_v4.kv_fp8_ref: FP8 per 64 on the nope dims, in bf16
@@ -667,18 +715,22 @@ def index_fp4(x):  # compressor.index_fp4_ref: Hadamard, then FP4 per 32, in bf1
     return bf16_round(quant_torch.fp4_roundtrip(bf16_round(rotate_activation(x))))
 
 
-def indexer_select_v4(x, qr, p, K_idx, start_pos, cos, sin, args, official=False, *, v4k=None, kern=None):
-    """compressor.indexer_select_ref -> [B, T, n] bool; with the kernels (v4k) -> [B, T, k] the picks'
-    indices into K_idx, -1 where a query has fewer complete windows than k (the kernel's contract)."""
+def index_query(x, qr, p, cos, sin, args, official, kern=None):  # -> q^I [B, T, J, D], w^I [B, T, J] (scales folded in)
     lin = partial(linear, kern=kern)
     B, T, _ = x.shape
     J, D = args.index_n_heads, args.index_head_dim
     q = rope_tail(lin(qr, p["wq_b"], official).reshape(B, T, J, D), cos, sin)
     if not official:
-        w = lin(x, p["weights_proj"], False) * np.float32(J ** -0.5) * np.float32(D ** -0.5)
-    else:
-        q = index_fp4(bf16_round(q))
-        w = bf16_round(bf16_round(matmul_f32(x, dequant(p["weights_proj"]).T)) * np.float32(J ** -0.5 * D ** -0.5))
+        return q, lin(x, p["weights_proj"], False) * np.float32(J ** -0.5) * np.float32(D ** -0.5)
+    w = bf16_round(bf16_round(matmul_f32(x, dequant(p["weights_proj"]).T)) * np.float32(J ** -0.5 * D ** -0.5))
+    return index_fp4(bf16_round(q)), w
+
+
+def indexer_select_v4(x, qr, p, K_idx, start_pos, cos, sin, args, official=False, *, v4k=None, kern=None):
+    """compressor.indexer_select_ref -> [B, T, n] bool; with the kernels (v4k) -> [B, T, k] the picks'
+    indices into K_idx, -1 where a query has fewer complete windows than k (the kernel's contract)."""
+    B, T, _ = x.shape
+    q, w = index_query(x, qr, p, cos, sin, args, official, kern)
     n = K_idx.shape[1]
     if v4k is not None:                                 # eq. (16) with the causal rule, then eq. (17)
         I = v4k.index_scores_v4(q, w, K_idx, start_pos, 4, official)                # -inf past the complete windows
@@ -700,16 +752,11 @@ def indexer_select_v4(x, qr, p, K_idx, start_pos, cos, sin, args, official=False
     return sel & visible[None]
 
 
-def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, official=False, *, v4k=None, kern=None):
-    """attention_v4.attention_v4_forward, step for step in torch; with the kernels (v4k) the CSA indexer's
-    scores and picks and the attention itself run as kernels_v4's, the keys named by index (the window's
-    rows, the picks, HCA's dense prefix) instead of masked."""
+def query_key(x, p, cos, sin, args, official, kern=None):  # -> c^Q [B, T, d_c], q [B, T, H, c], the shared key [B, T, c]
     lin = partial(linear, kern=kern)
     B, T, _ = x.shape
-    H, c, W, R, eps = args.num_attention_heads, args.head_dim, args.sliding_window, args.qk_rope_head_dim, args.rms_norm_eps
-    dev = x.device
+    H, c, R, eps = args.num_attention_heads, args.head_dim, args.qk_rope_head_dim, args.rms_norm_eps
     rnd = bf16_round if official else no_round
-    cos, sin = rope_angles(freqs, start_pos + torch.arange(T, device=dev))
     qr = v4_norm(lin(x, p["wq_a"], official), p["q_norm"], eps, rnd)
     q = lin(qr, p["wq_b"], official).reshape(B, T, H, c)
     if official:                                        # attention_v4.rms_norm_bf16: every step in bf16
@@ -720,7 +767,19 @@ def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, offi
     q = rnd(rope_tail(q, cos, sin))
     kv = v4_norm(lin(x, p["wkv"], official), p["kv_norm"], eps, rnd)
     kv = rnd(rope_tail(kv[:, :, None], cos, sin)[:, :, 0])
-    kv = kv_fp8(kv, R) if official else kv
+    return qr, q, kv_fp8(kv, R) if official else kv
+
+
+def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, official=False, *, v4k=None, kern=None):
+    """attention_v4.attention_v4_forward, step for step in torch; with the kernels (v4k) the CSA indexer's
+    scores and picks and the attention itself run as kernels_v4's, the keys named by index (the window's
+    rows, the picks, HCA's dense prefix) instead of masked."""
+    B, T, _ = x.shape
+    W, R, eps = args.sliding_window, args.qk_rope_head_dim, args.rms_norm_eps
+    dev = x.device
+    rnd = bf16_round if official else no_round
+    cos, sin = rope_angles(freqs, start_pos + torch.arange(T, device=dev))
+    qr, q, kv = query_key(x, p, cos, sin, args, official, kern)
     P = min(start_pos, W - 1)
     pos = start_pos - P + torch.arange(P + T, device=dev)
     keys = torch.cat([cache.ring[:, pos[:P] % W], kv], 1)
@@ -782,6 +841,42 @@ def attention_v4_kernels(q, KW, KC, picks, m, start_pos, p, args, cache, cos, si
     n_dense = (start_pos + torch.arange(T, device=dev) + 1) // m if m else torch.zeros(T, dtype=torch.long, device=dev)
     o = v4k.sparse_attention(q, KW, KC, idx, n_dense, p["attn_sink"], args.softmax_scale, official,
                              n_max=(start_pos + T) // m if m else 0)      # n_dense's last entry: no device sync
+    return v4_output(o, p, args, cos, sin, official, kern)
+
+
+def attention_v4_step(x, p, kind, m, pos, freqs, args, cache, sparse=True, official=False, *, v4k, kern=None):
+    """attention_v4 for one token at the device position pos [1] with every shape fixed and nothing read
+    back (TransformerV4.decode_static; a CUDA graph captures it), through the kernels: the key into ring
+    slot pos mod n_win, the window's keys named by slot in position order, the compressors' steps
+    (compress_step), the CSA indexer over the whole key buffer with the windows not complete yet at -inf,
+    and the attention over the buffer's complete prefix (HCA) or the picks. x [B, 1, d] -> [B, 1, d]."""
+    B = x.shape[0]
+    W, R, eps = args.sliding_window, args.qk_rope_head_dim, args.rms_norm_eps
+    dev = x.device
+    rnd = bf16_round if official else no_round
+    cos, sin = rope_angles(freqs, pos)
+    qr, q, kv = query_key(x, p, cos, sin, args, official, kern)
+    cache.ring.index_copy_(1, pos % W, kv)
+    s = pos - W + 1 + torch.arange(W, device=dev)                                 # positions pos - W + 1 .. pos
+    idx = torch.where(s >= 0, s % W, -1)[None, None].expand(B, 1, W)              # their ring slots (-1: before 0)
+    KC, n_dense, n_max = cache.ring[:, :0], torch.zeros(1, dtype=torch.long, device=dev), 0
+    if kind != "sliding_attention":
+        compress_step(x, p["compressor"], m, m == 4, pos, freqs, eps, cache.comp, rnd,
+                      (lambda K: kv_fp8(K, R)) if official else None)
+        KC = cache.comp.buf                                                        # [B, capacity, c]
+        n = KC.shape[1]
+        if kind == "heavily_compressed_attention" or not sparse:
+            n_dense, n_max = (pos + 1) // m, n
+        else:
+            compress_step(x, p["indexer"]["compressor"], m, True, pos, freqs, eps, cache.idx, rnd,
+                          index_fp4 if official else None)
+            qI, wI = index_query(x, qr, p["indexer"], cos, sin, args, official, kern)
+            I = v4k.index_scores_v4(qI, wI, cache.idx.buf, 4 * n, 4, official)         # every slot scored ...
+            vis = (pos + 1) // 4
+            I = I.masked_fill(torch.arange(n, device=dev) >= vis, -float("inf"))        # ... the open ones -inf
+            picks = v4k.topk_indices(I, min(args.index_topk, n), n)
+            idx = torch.cat([idx, torch.where(picks < vis, picks + W, -1)], -1)
+    o = v4k.sparse_attention(q, cache.ring, KC, idx, n_dense, p["attn_sink"], args.softmax_scale, official, n_max=n_max)
     return v4_output(o, p, args, cos, sin, official, kern)
 
 
@@ -925,10 +1020,11 @@ def torch_ops(device, kernels=True, dsa=None, v4=None):
         latent_attention=partial(latent_attention, dsa=dsa, **K) if dsa else None,
         selection_mask=selection_mask if dsa else None,
         hc_mix_pre=partial(hc_mix_pre, **V), hc_post=partial(hc_post, **V), hc_head=partial(hc_head, **K),
-        v4_norm=v4_norm, v4_attention=partial(attention_v4, **V, **K), v4_moe=partial(moe_v4, **V, **K),
+        v4_norm=v4_norm, v4_attention=partial(attention_v4, **V, **K),
+        v4_attention_step=partial(attention_v4_step, **V, **K) if v4 else None, v4_moe=partial(moe_v4, **V, **K),
         v4_experts=partial(experts, device=device, **K) if v4 else None,
         matmul_f32=matmul_f32,
-        v4_zeros=lambda shape: torch.zeros(shape, device=device),
+        v4_cache=partial(V4LayerCache, zeros=lambda shape: torch.zeros(shape, device=device), state=CompressorRing),
     )
 
 
@@ -936,15 +1032,18 @@ def torch_ops(device, kernels=True, dsa=None, v4=None):
 # Decode replayed from a captured CUDA graph
 
 class GraphDecoder:
-    """Decode steps of a loaded torch model replayed from one CUDA graph of Transformer.decode_static:
-    the caches are preallocated (model.reserve), the token and the position sit in device buffers, and
-    a step is two small copies, a replay and nothing read back but what the caller reads. Built after
-    the prefill, at the first position to decode (its warm-up runs write only that slot, which the
-    first real step overwrites). Official numerics only: the exact path's expert loop reads back
-    which experts were chosen, which a graph cannot hold."""
+    """Decode steps of a loaded torch model replayed from one CUDA graph of its decode_static
+    (model.Transformer's, model_v4.TransformerV4's): the caches are preallocated (model.reserve), the
+    token and the position sit in device buffers, and a step is two small copies, a replay and nothing
+    read back but what the caller reads. Built after the prefill, at the first position to decode (its
+    warm-up runs write only what that position's step writes, which the first real step overwrites).
+    Official numerics only: the exact path's expert loop reads back which experts were chosen, which a
+    graph cannot hold."""
 
     def __init__(self, model, batch, first_pos):
-        dev = model.caches[0].idx.k_scale.device
+        dev = (model.opts.ops if hasattr(model, "opts") else model.ops).device
+        if getattr(model, "planned_len", first_pos + 1) <= first_pos:
+            raise ValueError(f"GraphDecoder at position {first_pos}: reserve the caches past it first (model.reserve)")
         self.model = model
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         self.pos = torch.full((), first_pos, dtype=torch.long, device=dev)

@@ -57,6 +57,9 @@ class CompressorState:
     def keys(self):  # [B, n, c]: K_w of every complete window
         return self.buf[:, :self.n]
 
+    def nbytes(self):
+        return self.rows.nbytes + self.keys.nbytes + sum(a.nbytes for a in self.prev or ())
+
     def reserve(self, n):  # room for n keys
         if n > self.buf.shape[1]:
             B, _, c = self.buf.shape

@@ -50,7 +50,7 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _hc_mix_pre_kernel(MU, SS, X, BASE, PRE, POST, COMB, U, M, d, K, R, s0, s1, s2, eps_rms, hc_eps,
+def _hc_mix_pre_kernel(MU, SS, X, BASE, ALPHA, PRE, POST, COMB, U, M, d, K, R, eps_rms, hc_eps,
                        N: tl.constexpr, ITERS: tl.constexpr, ROUND: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAD: tl.constexpr):
     """Reference: mhc.hc_mix_pre_ref, given Φ x̄ (MU [M, R]) and Σ x̄² (SS [M]). One program per (BLOCK_M
@@ -66,6 +66,7 @@ def _hc_mix_pre_kernel(MU, SS, X, BASE, PRE, POST, COMB, U, M, d, K, R, s0, s1, 
     mu_post = tl.load(mu + N + j[None, :], mask=in_m[:, None] & (j[None, :] < N), other=0.0) * r[:, None]
     mu_comb = tl.load(mu + 2 * N + ii[None, :], mask=in_m[:, None], other=0.0) * r[:, None]
     # the mixes: a = σ(α0 μ + b) + ε, c = 2 σ(α1 μ + b), B = Sinkhorn(softmax(α2 μ + b) + ε)
+    s0, s1, s2 = tl.load(ALPHA), tl.load(ALPHA + 1), tl.load(ALPHA + 2)        # α read here: no host copy
     b_pre = tl.load(BASE + j, mask=j < N, other=0.0)
     b_post = tl.load(BASE + N + j, mask=j < N, other=0.0)
     b_comb = tl.load(BASE + 2 * N + ii)
@@ -111,10 +112,10 @@ def hc_mix_pre(X, fn, base, scale, args, official=False):  # X [M, n, d] -> pre,
     pre, post = (torch.empty(M, n, dtype=torch.float32, device=X.device) for _ in range(2))
     comb = torch.empty(M, n, n, dtype=torch.float32, device=X.device)
     u = torch.empty(M, d, dtype=torch.float32, device=X.device)
-    s = [float(v) for v in scale]
+    alpha = torch.as_tensor(scale, dtype=torch.float32, device=X.device).contiguous()   # [3]: a device tensor (the model's)
     BLOCK_M, BLOCK_D = 16, 128
     _hc_mix_pre_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(d, BLOCK_D))](
-        mu, ss, X, base.float().contiguous(), pre, post, comb, u, M, d, n * d, R, s[0], s[1], s[2],
+        mu, ss, X, base.float().contiguous(), alpha, pre, post, comb, u, M, d, n * d, R,
         float(args.rms_norm_eps), float(args.hc_eps), N=n, ITERS=int(args.hc_sinkhorn_iters), ROUND=bool(official),
         BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, PAD=max(16, n), num_warps=4)
     return pre, post, comb, u

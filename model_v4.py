@@ -39,7 +39,6 @@ import numpy as np
 
 import checkpoint
 import quant
-from attention_v4 import V4LayerCache
 from config import V4Args
 from ops import NUMPY_OPS
 
@@ -226,7 +225,19 @@ class TransformerV4:
         self.attention = attention                          # dense: CSA layers attend every complete window
         self.indexer = "fp4" if self.official else "exact"  # Hadamard + FP4 keys and queries, or float32
         self.freqs = {k: self.ops.param(args.freqs(k)) for k in (False, True)}   # plain, and YaRN for compressed layers
-        self.caches, self.cached_len, self.planned_len = [], 0, 0
+        self.caches, self._len, self.planned_len = [], 0, 0
+
+    @property
+    def cached_len(self):  # positions the caches hold
+        return self._len
+
+    @cached_len.setter
+    def cached_len(self, L):  # after decode_static's steps (which write keys by position): the compressors' key counts
+        self._len = L
+        for i, cache in enumerate(self.caches):
+            for state, m in ((cache.comp, self.args.ratio(i)), (cache.idx, 4)):
+                if state is not None:
+                    state.n = L // m
 
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics=None, attention="sparse", indexer=None, max_seq_len=None,
@@ -297,28 +308,55 @@ class TransformerV4:
         a, w = self.args, self.w
         B, T = tokens.shape
         if start_pos == 0:
-            self.caches = [V4LayerCache(B, a, a.layer_types[i], lw["attn"], ops.v4_zeros) for i, lw in enumerate(w["layers"])]
+            self.caches = [ops.v4_cache(B, a, a.layer_types[i], lw["attn"]) for i, lw in enumerate(w["layers"])]
             for i, cache in enumerate(self.caches):      # keys of the planned length at once (reserve), not by doubling
                 for state, m in ((cache.comp, a.ratio(i)), (cache.idx, 4)):
                     if state is not None:
-                        state.reserve(self.planned_len // m)
+                        state.reserve(self.planned_len // m + 1)        # + the open window's (decode_static)
             self.cached_len = 0
         elif start_pos != self.cached_len or B != self.caches[0].ring.shape[0]:
             raise ValueError(f"start_pos {start_pos} (batch {B}): V4 continues its caches only at the cached length "
                              f"{self.cached_len} (batch {self.caches[0].ring.shape[0] if self.caches else 0}), or starts over at 0")
         if start_pos + T > a.max_seq_len:
             raise ValueError(f"start_pos {start_pos} + {T} tokens exceeds max_seq_len {a.max_seq_len}")
+        sparse = self.attention == "sparse"
+
+        def attend(i, h, p, cache):  # layer i's attention of h [B, T, d] at start_pos
+            m = a.ratio(i)
+            return ops.v4_attention(h, p, a.layer_types[i], m, start_pos, self.freqs[m > 0], a, cache, sparse, self.official)
+        logits = self._blocks(ops.tokens(tokens), B, T, attend, record)
+        self.cached_len = start_pos + T
+        return logits if all_positions else logits[:, -1]
+
+    def decode_static(self, tok, pos):
+        """One decode step with every shape fixed and nothing read back: tok [B, 1] and pos (a 0-d integer
+        tensor) on the device; the attention through ops.v4_attention_step (the window's ring slot by
+        position, the compressors' keys written by window, the indexer and attention over the key buffers'
+        whole capacity with the windows not complete yet hidden). backend_torch.GraphDecoder captures it;
+        it equals forward(tok, pos) to fp32 rounding (the kernels split the longer key lists otherwise).
+        The caller sets cached_len to pos + 1 after it."""
+        if self.ops.v4_attention_step is None:
+            raise ValueError(f"decode_static needs the {self.ops.name} op table with the V4 kernels")
+        a, at = self.args, pos.reshape(1)
+        sparse = self.attention == "sparse"
+
+        def attend(i, h, p, cache):
+            m = a.ratio(i)
+            return self.ops.v4_attention_step(h, p, a.layer_types[i], m, at, self.freqs[m > 0], a, cache, sparse,
+                                              self.official)
+        return self._blocks(tok.reshape(-1), tok.shape[0], 1, attend)[:, -1]
+
+    def _blocks(self, ids, B, T, attend, record=None):  # ids [B T] device tokens -> logits [B, T, V]
+        ops, a, w = self.ops, self.args, self.w
         n, d, off = a.hc_mult, a.hidden_size, self.official
         rnd = ops.bf16_round if off else ops.no_round
-        ids = ops.tokens(tokens)
         e = rnd(ops.embed(w["embed"], ids)).reshape(B * T, d)                        # bf16 rows
         X = ops.cat([e[:, None]] * n, 1)                                              # X^0 [M, n, d]
         for i, (lw, cache) in enumerate(zip(w["layers"], self.caches)):
-            kind, m = a.layer_types[i], a.ratio(i)
+            kind = a.layer_types[i]
             _, post, comb, u = ops.hc_mix_pre(X, lw["hc_attn_fn"], lw["hc_attn_base"], lw["hc_attn_scale"], a, off)
             h = ops.v4_norm(u, lw["attn_norm"], a.rms_norm_eps, rnd).reshape(B, T, d)
-            y = ops.v4_attention(h, lw["attn"], kind, m, start_pos, self.freqs[m > 0], a, cache,
-                                 self.attention == "sparse", off)
+            y = attend(i, h, lw["attn"], cache)
             X = ops.hc_post(X, y.reshape(B * T, d), post, comb, off)
             _, post, comb, u = ops.hc_mix_pre(X, lw["hc_ffn_fn"], lw["hc_ffn_base"], lw["hc_ffn_scale"], a, off)
             h = ops.v4_norm(u, lw["ffn_norm"], a.rms_norm_eps, rnd)
@@ -327,11 +365,9 @@ class TransformerV4:
             if record is not None:                      # the streams after layer i, the CSA indexer's picks
                 record.setdefault("hidden", []).append(X.reshape(B, T, -1))
                 record.setdefault("selected", []).append(cache.selected if kind == "compressed_sparse_attention" else None)
-        self.cached_len = start_pos + T
         hc = w["hc_head"]
         h = ops.v4_norm(ops.hc_head(X, hc["fn"], hc["base"], hc["scale"], a, off), w["norm"], a.rms_norm_eps, rnd)
-        logits = ops.matmul_f32(h, w["head_f32"].T).reshape(B, T, -1)               # [B, T, V], fp32 head
-        return logits if all_positions else logits[:, -1]
+        return ops.matmul_f32(h, w["head_f32"].T).reshape(B, T, -1)                # [B, T, V], fp32 head
 
 
 def cache_bytes_per_token(args, key_bytes, index_key_bytes):

@@ -117,12 +117,14 @@ class Ops:
     v4_norm: Callable | None = None        # x, w or None, eps, rnd -> x * rsqrt(mean(x²) + eps) w   compressor.rms_norm
     v4_attention: Callable | None = None   # x [B, T, d], weights, kind, m, start_pos, freqs [R/2] (the backend's), args, cache, sparse,
     #                                        official -> [B, T, d]                   attention_v4.attention_v4_forward
+    v4_attention_step: Callable | None = None   # v4_attention for one token at a device position pos [1], every shape
+    #                                        fixed (TransformerV4.decode_static); torch with the V4 kernels only
     v4_moe: Callable | None = None         # x [M, d], weights, args, official, tokens [M], weight_inside -> [M, d]
     #                                                                                         moe.moe_ref
     matmul_f32: Callable | None = None     # a, b -> a @ b summed in float64, rounded to f32    quant.matmul_f32
     v4_experts: Callable | None = None     # a layer's routed experts [{w1, w2, w3}, ...] -> stacked {w13, w2} for the
     #                                        V4 kernels' grouped GEMMs (at load; None: the list stays)
-    v4_zeros: Callable | None = None       # shape -> float32 zeros: the V4 caches' storage
+    v4_cache: Callable | None = None       # B, args, kind, a layer's attention weights -> its caches      attention_v4.V4LayerCache
 
     @property
     def fused(self):  # the GPU's DSA kernels run the selection and the attention
@@ -154,5 +156,5 @@ NUMPY_OPS = Ops(
     param=lambda a: a, weight=lambda W: W, plain_weight=lambda W: W,
     hc_mix_pre=mhc.hc_mix_pre_ref, hc_post=mhc.hc_post_ref, hc_head=mhc.hc_head_ref,
     v4_norm=compressor.rms_norm, v4_attention=attention_v4.attention_v4_forward, v4_moe=moe.moe_ref,
-    matmul_f32=quant.matmul_f32, v4_zeros=lambda shape: np.zeros(shape, np.float32),
+    matmul_f32=quant.matmul_f32, v4_cache=attention_v4.V4LayerCache,
 )

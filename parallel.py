@@ -238,7 +238,13 @@ class Parallel:
             y = all_sum(base.v4_moe(x, p, args, official, tokens, weight_inside))
             return base.bf16_round(y) if official else y
 
+        def v4_attention_step(x, p, kind, m, pos, freqs, args, cache, sparse=True, official=False):
+            y = all_sum(base.v4_attention_step(x, p, kind, m, pos, freqs, args, cache, sparse, official))
+            return base.bf16_round(y) if official else y
+
         v4 = {} if base.v4_attention is None else dict(v4_attention=v4_attention, v4_moe=v4_moe)
+        if base.v4_attention_step is not None:
+            v4["v4_attention_step"] = v4_attention_step
         if self.whole_vocab:                              # V4: the table is whole here, no sum over ranks
             embed = base.embed
         return dataclasses.replace(base, weight=weight, linear=linear, linears=linears, embed=embed, head=head,

@@ -15,6 +15,7 @@ imports the backend.
 Letters: M rows of activations, N output features, K input features, Kb = K / 128 blocks.
 """
 import contextlib
+import functools
 
 import numpy as np
 import torch
@@ -30,6 +31,8 @@ PARTIAL_BYTES = 1 << 26     # fp8_gemm's float64 partials of every K block, [Kb,
 # NumPy (ml_dtypes) arrays -> torch tensors, without a float copy for FP8 and bf16
 
 def to_torch(a, device):  # one host copy (the source may be a read-only memory map), then to the device
+    if isinstance(a, torch.Tensor):                                     # already torch (bench/: made on the device)
+        return a.to(device)
     a = np.asarray(a)
     if a.dtype == quant.E4M3:
         t = torch.from_numpy(np.array(a.view(np.uint8))).view(F8)
@@ -189,17 +192,22 @@ def fp4_gemm(a, sa, packed, sb):  # quant.fp4_gemm: [M, K] fp8, [M, K/128], [N, 
     return acc
 
 
+@functools.lru_cache(None)
+def _fp4_tables(device):  # the e2m1 grid and the midpoints between grid neighbours, made once per device
+    return (torch.tensor(_FP4_GRID, device=device),                    # (not inside a CUDA graph's capture)
+            torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=device))
+
+
 def fp4_roundtrip(x):  # quant.fp4_roundtrip: [..., N] -> e2m1 per 32 with a 2^e scale, back to float32
     x = x.float()
     xb = x.reshape(*x.shape[:-1], -1, 32)
     amax = xb.abs().amax(-1).clamp_min(6 * 2.0 ** -126)
     s = ue8m0_ceil(amax * (1 / 6))
     y = (xb / s[..., None]).clamp(-6, 6)
-    mid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=x.device)   # between grid neighbours
+    grid, mid = _fp4_tables(x.device)
     i = torch.bucketize(y.abs(), mid)                                   # a tie goes to the lower neighbour...
     tie = (i < 7) & (y.abs() == mid[i.clamp_max(6)]) & (i % 2 == 1)
     i = i + tie.long()                                                  # ...unless that one is odd: to even
-    grid = torch.tensor(_FP4_GRID, device=x.device)
     return (torch.sign(y) * grid[i] * s[..., None]).reshape(x.shape)
 
 

@@ -54,7 +54,6 @@ def graph_decode(m):  # official numerics on GPUs: decode steps plain, then repl
 
 
 def v4_sublayers(m):  # DeepSeek-V4: each layer's attention (dense over its windows) and MoE on one fixed input
-    from attention_v4 import V4LayerCache
     a, ops = m.args, m.ops
     x = np.round(np.sin(np.arange(2 * 12 * a.hidden_size) * 0.1).reshape(2, 12, -1) * 64) / 64
     x = ops.param(x.astype(np.float32))
@@ -62,7 +61,7 @@ def v4_sublayers(m):  # DeepSeek-V4: each layer's attention (dense over its wind
     out = {}
     for i, lw in enumerate(m.w["layers"]):
         kind, r = a.layer_types[i], a.ratio(i)
-        cache = V4LayerCache(2, a, kind, lw["attn"], ops.v4_zeros)
+        cache = ops.v4_cache(2, a, kind, lw["attn"])
         out[f"attn{i}"] = ops.v4_attention(x, lw["attn"], kind, r, 0, m.freqs[r > 0], a, cache, False, m.official).cpu().numpy()
         out[f"moe{i}"] = ops.v4_moe(x.reshape(24, -1), lw["ffn"], a, m.official, ids, m.official).cpu().numpy()
     return out

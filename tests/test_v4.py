@@ -18,6 +18,7 @@ import moe
 import quant
 from config import V4Args
 from helpers import rel_err
+from conftest import gpu
 from model_v4 import TransformerV4
 
 torch = pytest.importorskip("torch")
@@ -441,6 +442,49 @@ def test_kernel_path_exact_equals_numpy(pair):
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_static_decode_equals_numpy_and_the_caches_continue(tiny_v4):
+    # the capturable step (ring slots by position, keys written by window, the buffers' whole capacity) in
+    # exact numerics against the NumPy reference, across CSA and HCA windows completing (pos 15, 19: m = 4,
+    # 16), the picks a choice (index_topk 4); then a chunk through forward after the static steps
+    from model import Transformer
+    ops = kernel_ops()
+    tokens = np.random.default_rng(6).integers(0, 512, (2, 24))
+    want = TransformerV4.from_pretrained(tiny_v4, numerics="exact").forward(tokens, all_positions=True)
+    t = Transformer.from_pretrained(tiny_v4, backend="torch", device=str(ops.device), ops=ops, numerics="exact")
+    t.reserve(2, 24)
+    t.forward(tokens[:, :13])
+    for s in range(13, 21):
+        got = t.decode_static(torch.as_tensor(tokens[:, s:s + 1], device=ops.device), torch.tensor(s, device=ops.device))
+        t.cached_len = s + 1
+        assert rel_err(got.cpu().numpy(), want[:, s]) <= 1e-5, s
+    got = t.forward(tokens[:, 21:], start_pos=21, all_positions=True)
+    assert rel_err(got.cpu().numpy(), want[:, 21:]) <= 1e-5
+
+
+@gpu
+def test_cuda_graph_replays_v4s_static_step(tiny_v4):
+    # official numerics (the grouped FP4 expert GEMMs: nothing read back): the graph's replays against the
+    # static step run eagerly, then a chunk through forward after them against forward's own decode steps
+    import backend_torch
+    from model import Transformer
+    tokens = np.random.default_rng(7).integers(0, 512, (2, 64))
+    a, b, c = (Transformer.from_pretrained(tiny_v4, backend="torch", device="cuda") for _ in range(3))
+    for m in (a, b, c):
+        m.reserve(2, 64)
+        m.forward(tokens[:, :29])
+    graph = backend_torch.GraphDecoder(b, 2, 29)
+    for s in range(29, 60):
+        nxt = torch.as_tensor(tokens[:, s:s + 1], device="cuda")
+        want = a.decode_static(nxt, torch.tensor(s, device="cuda"))
+        a.cached_len = s + 1
+        c.forward(nxt, start_pos=s)
+        assert rel_err(graph(nxt, s).cpu().numpy(), want.cpu().numpy()) <= 1e-6, s
+    got, want = (m.forward(tokens[:, 60:], start_pos=60, all_positions=True) for m in (b, c))
+    err = rel_err(got.cpu().numpy(), want.cpu().numpy())
+    print(f"graph then forward against forward alone: {err:.2e}")
+    assert err <= 2 ** -5                                    # official: the kernels' other key splits, then bf16
+
+
 @pytest.mark.parametrize("kernels", [False, True])
 def test_torch_official_sublayers_within_a_bf16_ulp_of_numpy(tiny_v4, kernels):
     # op by op (np.exp's and torch's last bits differ, and so do fp32 and float64 sums), so some bf16
@@ -462,7 +506,7 @@ def test_torch_official_sublayers_within_a_bf16_ulp_of_numpy(tiny_v4, kernels):
         y1 = ref.ops.v4_attention(x, pn["attn"], kind, m, 0, ref.freqs[m > 0], a, V4LayerCache(2, a, kind, pn["attn"]),
                                   False, True)
         y2 = t.ops.v4_attention(torch.from_numpy(x).to(dev), pt["attn"], kind, m, 0, t.freqs[m > 0], a,
-                                V4LayerCache(2, a, kind, pt["attn"], t.ops.v4_zeros), False, True).cpu().numpy()
+                                t.ops.v4_cache(2, a, kind, pt["attn"]), False, True).cpu().numpy()
         z1 = ref.ops.v4_moe(x.reshape(80, -1), pn["ffn"], a, True, ids, True)
         z2 = t.ops.v4_moe(torch.from_numpy(x.reshape(80, -1)).to(dev), pt["ffn"], a, True, torch.from_numpy(ids).to(dev),
                           True).cpu().numpy()
