@@ -4,21 +4,21 @@ top-512; random weights in the real formats, official numerics), through the tor
 at contexts L = 4K .. 1M, beside one DeepSeek-V3.2-Exp DSA attention sublayer from bench_fig3.py's stored
 run (the contexts it reached), and the KV-cache bytes each model keeps per token of context.
 
-    decode    the attention sublayer's step at L (eager, the mean of STEPS consecutive positions, so CSA's
-              compressor emits a key every fourth), batch 1 and BATCH; and its kernels alone (CSA: the
-              indexer's scores, top-k, the sparse attention; HCA / SWA: the attention), replayed from a
-              CUDA graph. V4's decode is not captured whole yet: the eager figure carries launch overhead.
+    decode    the attention sublayer's step at L replayed from a CUDA graph (ops.v4_attention_step, what
+              TransformerV4.decode_static runs: the compressors' steps, the CSA indexer and top-k, the
+              sparse attention, the projections), batch 1 and BATCH; and its kernels alone (CSA: the
+              indexer's scores, top-k, the sparse attention; HCA / SWA: the attention), graph-replayed
     prefill   a 4096-token chunk ending at L (start_pos = L - 4096), time / 4096, eager
     bytes     KV cache per token of context, whole model: V4-Flash (21 CSA, 20 HCA layers; the official
               storage: 448 FP8 + 64 bf16 dims and 7 scales a key, FP4 indexer keys 64 B + 4 scales) and
               V3.2-Exp (61 layers of 656 B packed latent rows + 132 B indexer keys); and what this
               project's torch path holds (float32 keys)
 
-    whole     decode tok/s of the 43-layer model at batch 1, ESTIMATED as the sum of measured parts:
-              2 SWA + 21 CSA + 20 HCA attention sublayers (eager), 43 MoE sublayers (eager: 256 FP4
-              experts, top-6 + the shared one; the same with the experts re-encoded to block FP8, the
-              second route, measured beside it), 86 mHC pairs (hc_mix_pre + hc_post, graph) and the fp32
-              head (graph); beside the gfx90a report's 74.5 tok/s (four GPUs, tensor parallel)
+    whole     decode tok/s of the 43-layer model at batch 1, ESTIMATED as the sum of measured parts, each
+              graph-replayed: 2 SWA + 21 CSA + 20 HCA attention sublayers, 43 MoE sublayers (256 FP4
+              experts stacked, top-6 through the grouped GEMM + the shared one; the same with the experts
+              re-encoded to block FP8, the second route, measured beside it), 86 mHC pairs (hc_mix_pre +
+              hc_post) and the fp32 head; beside the gfx90a report's 74.5 tok/s (four GPUs, tensor parallel)
 
 The caches hold random values for position L (the costs do not depend on them).
 
@@ -62,20 +62,35 @@ def flops_per_token(L):  # attention-dependent multiply-adds x 2 at context L, p
     return dict(v4=v4, v32=v32, ratio=v4 / v32)
 
 
+COLUMNS = {"step_b1": "sublayer b1 (graph)", "decode_b1": "decode b1 (eager)", "kernels_b1": "kernels b1 (graph)",
+           f"step_b{BATCH}": f"sublayer b{BATCH} (graph)", f"decode_b{BATCH}": f"decode b{BATCH} (eager)",
+           "prefill": "prefill"}      # decode_*: runs from before the graph-captured step (eager steps)
+
+
+def whole_estimate(d, moe="moe_b1"):  # {L: (us, tok/s)}: V4-Flash's 43 layers at batch 1 from the measured parts
+    r, p, out = d["us_per_token"], d["parts_us"], {}
+    for L in LS:
+        a = [r[k]["step_b1"].get(str(L)) for k in KINDS]
+        if None not in a:
+            us = 2 * a[0] + 21 * a[1] + 20 * a[2] + 43 * (p[moe] + 2 * p["hc_b1"]) + p["head_b1"]
+            out[L] = (us, 1e6 / us)
+    return out
+
+
 def render(d):
     m = d["meta"]
+    r = d["us_per_token"]
+    cols = [w for w in COLUMNS if any(r[k].get(w) for k in KINDS)]
     lines = [f"{m['gpu']}, {m['date']}, torch {m['torch']}, triton {m['triton']}; one attention sublayer of DeepSeek-V4-Flash "
              "at real dimensions, official numerics; microseconds per token", "",
-             "| L | " + " | ".join(f"{SHORT[k]} decode b1 (eager) | {SHORT[k]} kernels b1 (graph) | {SHORT[k]} decode "
-                                  f"b{BATCH} (eager) | {SHORT[k]} prefill" for k in KINDS)
+             "| L | " + " | ".join(f"{SHORT[k]} {COLUMNS[w]}" for k in KINDS for w in cols)
              + " | V3.2 DSA sublayer decode b1 (graph) | V3.2 DSA sublayer prefill |",
-             "|---|" + "---|" * (4 * len(KINDS) + 2)]
-    r = d["us_per_token"]
+             "|---|" + "---|" * (len(cols) * len(KINDS) + 2)]
     v32 = d.get("v32_attention", {})
     for L in LS:
         cells = []
         for k in KINDS:
-            for what in ("decode_b1", "kernels_b1", f"decode_b{BATCH}", "prefill"):
+            for what in cols:
                 v = r[k][what].get(str(L))
                 cells.append(f"{v:.1f}" if v is not None else "-")
         for what in ("attn_decode_b1", "attn_prefill"):
@@ -86,12 +101,15 @@ def render(d):
     if p:
         fp8 = (f"; with the experts re-encoded to block FP8 b1 {p['moe_fp8_b1']:.1f}, b{BATCH} {p[f'moe_fp8_b{BATCH}']:.1f}"
                if "moe_fp8_b1" in p else "")
-        lines += ["", f"Other parts, us per decode step: MoE sublayer b1 {p['moe_b1']:.1f} (eager), b{BATCH} "
+        how = "graph" if "step_b1" in cols else "eager"
+        lines += ["", f"Other parts, us per decode step: MoE sublayer b1 {p['moe_b1']:.1f} ({how}), b{BATCH} "
                   f"{p[f'moe_b{BATCH}']:.1f} per token{fp8}; mHC pair (hc_mix_pre + hc_post) b1 {p['hc_b1']:.1f}, b{BATCH} "
                   f"{p[f'hc_b{BATCH}']:.1f} per token (graph); fp32 head b1 {p['head_b1']:.1f} (graph)"]
-        for L, (us, tps) in d.get("whole_b1", {}).items():
-            lines.append(f"Whole model at {int(L) // 1024}K, batch 1, ESTIMATED from the parts: {us / 1e3:.1f} ms a token, "
-                         f"{tps:.1f} tok/s (the gfx90a report: 74.5 tok/s on four GPUs)")
+        if "step_b1" in cols:
+            fp8 = whole_estimate(d, "moe_fp8_b1")
+            for L, (us, tps) in whole_estimate(d).items():
+                lines.append(f"Whole model at {L // 1024}K, batch 1, ESTIMATED from the parts: {us / 1e3:.1f} ms a token, "
+                             f"{tps:.1f} tok/s; FP8 experts {fp8[L][1]:.1f} tok/s (the gfx90a report: 74.5 tok/s on four GPUs)")
     b, f = d["kv_bytes_per_token"], d["flops_1m"]
     lines += ["", f"KV cache per token of context, whole model: V4-Flash {b['v4_official']:.0f} B (official storage; this "
               f"project's float32 caches {b['v4_torch_path']:.0f} B), V3.2-Exp {b['v32']:.0f} B: {b['v4_over_v32']:.1%} "
@@ -107,9 +125,10 @@ def plot(d, png):
     if plt is None:
         return False
     r, v32 = d["us_per_token"], d.get("v32_attention", {})
+    step = "step_b1" if any(r[k].get("step_b1") for k in KINDS) else "decode_b1"
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, (what, v32what, title) in zip(axes, (("kernels_b1", "attn_decode_b1", "decode kernels, batch 1 (graph)"),
-                                                 ("decode_b1", "attn_decode_b1", "decode sublayer, batch 1 (eager)"),
+                                                 (step, "attn_decode_b1", f"decode sublayer, batch 1 ({'graph' if step == 'step_b1' else 'eager'})"),
                                                  ("prefill", "attn_prefill", "prefill, 4K chunk ending at L"))):
         for k, style in zip(KINDS, ("^-", "o-", "s-")):
             xs = [L for L in LS if str(L) in r[k][what]]
@@ -144,7 +163,6 @@ def main():
     import triton
     import backend_torch
     import quant
-    from attention_v4 import V4LayerCache
     from config import V4Args
 
     dev = torch.device("cuda")
@@ -194,9 +212,7 @@ def main():
             st.reserve(n + STEPS + 8)
             st.buf[:, :n] = bf16(B, n, cw)
             st.n = n
-            width = st.rows.shape[-1]
-            st.rows = bf16(B, L % m, width)
-            st.prev = (bf16(B, m, width // 2), bf16(B, m, width // 2)) if m == 4 else None
+            st.win.copy_(bf16(*st.win.shape))                       # the last 2m (m) positions' projections
 
     def sync_time(fn, reps):
         torch.cuda.synchronize()
@@ -230,31 +246,28 @@ def main():
 
     kinds = [k for k in KINDS if SHORT[k] in a.kinds.split(",")]
     ls = [L for L in LS if L <= a.max_l]
-    res = {k: {w: {} for w in ("decode_b1", "kernels_b1", f"decode_b{BATCH}", "prefill")} for k in KINDS}
+    res = {k: {w: {} for w in ("step_b1", "kernels_b1", f"step_b{BATCH}", "prefill")} for k in KINDS}
     for kind in kinds:
         i = KINDS.index(kind)
         m, freqs = args.ratio(i), ops.param(args.freqs(args.ratio(i) > 0))    # on the device, as the model holds it
         p = layer(kind)
         out = res[kind]
         for L in ls:
-            for B in (1, BATCH):                           # decode: STEPS consecutive positions from L
+            for B in (1, BATCH):                           # decode: the step at position L, graph-replayed
                 if B * (L // 4) * 4 * 640 > 60e9:          # the float32 caches must fit beside the rest
                     continue
-                cache = V4LayerCache(B, args, kind, p, ops.v4_zeros)
+                cache = ops.v4_cache(B, args, kind, p)
                 x = bf16(B, 1, d)
                 fill(cache, B, L, kind)
-                for s in range(STEPS):                     # warm-up: the same positions (Triton specialises
-                    ops.v4_attention(x, p, kind, m, L + s, freqs, args, cache, True, True)   # integers by value)
-                fill(cache, B, L, kind)
-                step = iter(range(L, L + STEPS))
-                out[f"decode_b{B}"][str(L)] = 1e6 * sync_time(
-                    lambda: ops.v4_attention(x, p, kind, m, next(step), freqs, args, cache, True, True), STEPS) / B
+                pos = torch.full((1,), L, device=dev)
+                out[f"step_b{B}"][str(L)] = 1e6 * graph_time(
+                    lambda: ops.v4_attention_step(x, p, kind, m, pos, freqs, args, cache, True, True)) / B
                 if B == 1:
                     out["kernels_b1"][str(L)] = 1e6 * graph_time(kernels_step(ops, args, cache, kind, m, L, gen))
                 del cache
                 torch.cuda.empty_cache()
             if L >= CHUNK:                                 # prefill: a 4K chunk ending at L
-                cache = V4LayerCache(1, args, kind, p, ops.v4_zeros)
+                cache = ops.v4_cache(1, args, kind, p)
                 x = bf16(1, CHUNK, d)
                 fill(cache, 1, L - CHUNK, kind)
                 ops.v4_attention(x, p, kind, m, L - CHUNK, freqs, args, cache, True, True)
@@ -264,13 +277,7 @@ def main():
                 del cache
                 torch.cuda.empty_cache()
             print(SHORT[kind], f"{L // 1024}K", {w: round(v[str(L)], 2) for w, v in out.items() if str(L) in v}, flush=True)
-    parts = other_parts(ops, args, gen, sync_time, graph_time)
-    whole = {}
-    for L in ls:
-        r = [res[k]["decode_b1"].get(str(L)) for k in KINDS]
-        if None not in r:
-            us = 2 * r[0] + 21 * r[1] + 20 * r[2] + 43 * (parts["moe_b1"] + 2 * parts["hc_b1"]) + parts["head_b1"]
-            whole[str(L)] = (us, 1e6 / us)
+    parts = other_parts(ops, args, gen, graph_time)
     v32 = {}
     if FIG3.exists():
         f3 = json.loads(FIG3.read_text())["us_per_token"]["sparse"]
@@ -279,15 +286,16 @@ def main():
                         date=time.strftime("%Y-%m-%d"), chunk=CHUNK, batch=BATCH, steps=STEPS,
                         v32_from=FIG3.name),
               us_per_token=res, v32_attention=v32, kv_bytes_per_token=kv_bytes(), flops_1m=flops_per_token(1 << 20),
-              parts_us=parts, whole_b1=whole)
+              parts_us=parts)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "v4.json").write_text(json.dumps(d_, indent=1))
     plot(d_, Path(a.out) / "v4.png")
     print(render(d_))
 
 
-def other_parts(ops, args, gen, sync_time, graph_time):
-    """us per token: the MoE sublayer (eager, STEPS steps), an mHC pair and the fp32 head (graphs)."""
+def other_parts(ops, args, gen, graph_time):
+    """us per token, graph-replayed: the MoE sublayer (the experts stacked as the model holds them with the
+    V4 kernels), an mHC pair and the fp32 head."""
     import torch
     import kernels_v4
     import quant
@@ -302,22 +310,21 @@ def other_parts(ops, args, gen, sync_time, graph_time):
         return quant.Weight(w, torch.full((N // 128, K // 128), 2.0 ** -7, device=dev))
     ffn = {"gate": quant.Weight(torch.randn(E, d, device=dev, generator=gen) * d ** -0.5, None),
            "gate_bias": torch.zeros(E, device=dev),
-           "experts": [{"w1": fp4(I, d), "w3": fp4(I, d), "w2": fp4(d, I)} for _ in range(E)],
            "shared_experts": {"w1": fp8(I, d), "w3": fp8(I, d), "w2": fp8(d, I)}}
     # the second route: the experts re-encoded at load to 128x128 block FP8 (--experts fp8; random FP8 of the
     # same shapes here: the cost does not depend on the values), through the FP8 GEMM
-    ffn8 = dict(ffn, experts=[{"w1": fp8(I, d), "w3": fp8(I, d), "w2": fp8(d, I)} for _ in range(E)])
+    ffn8 = dict(ffn, **ops.v4_experts([{"w1": fp8(I, d), "w3": fp8(I, d), "w2": fp8(d, I)} for _ in range(E)]))
+    ffn = dict(ffn, **ops.v4_experts([{"w1": fp4(I, d), "w3": fp4(I, d), "w2": fp4(d, I)} for _ in range(E)]))
     out = {}
     for B in (1, BATCH):
         x = torch.randn(B, d, device=dev, generator=gen).to(torch.bfloat16).float()
         tok = torch.zeros(B, dtype=torch.long, device=dev)
         for key, f in (("moe", ffn), ("moe_fp8", ffn8)):
-            ops.v4_moe(x, f, args, True, tok, True)
-            out[f"{key}_b{B}"] = 1e6 * sync_time(lambda: ops.v4_moe(x, f, args, True, tok, True), STEPS) / B
+            out[f"{key}_b{B}"] = 1e6 * graph_time(lambda: ops.v4_moe(x, f, args, True, tok, True)) / B
         n = args.hc_mult
         X = torch.randn(B, n, d, device=dev, generator=gen).to(torch.bfloat16).float()
         fn = torch.randn((2 + n) * n, n * d, device=dev, generator=gen) * (n * d) ** -0.5
-        base, scale = torch.zeros((2 + n) * n, device=dev), [1.0, 1.0, 1.0]
+        base, scale = torch.zeros((2 + n) * n, device=dev), torch.ones(3, device=dev)
 
         def pair():
             _, post, comb, u = kernels_v4.hc_mix_pre(X, fn, base, scale, args, True)

@@ -396,13 +396,13 @@ def test_v4_cost_curve_renders_from_the_stored_run():
     import json
     sys.path.insert(0, str(ROOT / "bench"))
     import bench_v4
-    d = json.loads((ROOT / "bench" / "v4_h200_2026-12-01.json").read_text())
+    d = json.loads((ROOT / "bench" / "v4_h200_2026-12-02.json").read_text())
     lines = bench_v4.render(d).splitlines()
     results = (ROOT / "bench" / "RESULTS.md").read_text()
     assert "NVIDIA H200" in lines[0] and all(line in results for line in lines[2:])
     assert d["kv_bytes_per_token"] == bench_v4.kv_bytes() and d["flops_1m"] == bench_v4.flops_per_token(1 << 20)
     assert "7.3%" in results and "12.1%" in results
-    assert (ROOT / "bench" / "v4_h200_2026-12-01.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (ROOT / "bench" / "v4_h200_2026-12-02.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_dsa_benchmark_script_runs(tmp_path):
