@@ -157,18 +157,20 @@ def hc_post(X, y, post, comb, official=False):  # [M, n, d], [M, d], [M, n], [M,
 
 # -----------------------------------------------------------------------------
 # quant.fp4_gemm: V4's expert GEMM. Both operands decoded from their bytes to fp16 inside the kernel
-# (every e4m3 and e2m1 value is exact in fp16; plain Triton on any GPU and in the interpreter). Hopper's
-# FP8 route (the FP4 codes widened to e4m3, exact, into the FP8 MMA) and the gfx90a INT8 route are the
-# next variants; this one is what they must equal.
+# (every e4m3 and e2m1 value is exact in fp16; plain Triton on any GPU and in the interpreter), the FP4
+# codes by integer operations on their bits (no exp2: the decode, not the bytes, bounded this kernel on
+# the H200). Hopper's FP8 route (the FP4 codes widened to e4m3, exact, into the FP8 MMA) and the gfx90a
+# INT8 route are the next variants; this one is what they must equal.
 
 @triton.jit
-def _e2m1_decode(nib):
-    """4-bit e2m1 code -> fp32: sign, 2 exponent bits (bias 1), 1 mantissa bit; 0, .5, 1, 1.5, 2, 3, 4, 6."""
-    b = nib.to(tl.int32)
-    e = (b >> 1) & 3
-    m = (b & 1).to(tl.float32)
-    v = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
-    return tl.where((b & 8) != 0, -v, v)
+def _e2m1_f16(code):
+    """4-bit e2m1 code (sign, 2 exponent bits of bias 1, 1 mantissa bit: 0, .5, 1, 1.5, 2, 3, 4, 6) -> fp16,
+    built as fp16's bits: sign << 15 | (e + 14) << 10 | m << 9, and for e = 0 (0 or 0.5) 0 or 14 << 10."""
+    c = code.to(tl.int32)
+    e = (c >> 1) & 3
+    m = c & 1
+    mag = tl.where(e > 0, ((e + 14) << 10) | (m << 9), m * (14 << 10))
+    return (((c & 8) << 12) | mag).to(tl.uint16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -194,17 +196,17 @@ def _fp4_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, M, N, K, KB_SPLIT, GRO
         rows, in_m = p, p < M
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = cols < N
-    k32 = tl.arange(0, 32)
     k16 = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     kb0 = tl.program_id(2) * KB_SPLIT
-    for kb in range(kb0, tl.minimum(kb0 + KB_SPLIT, nkb)):
-        a = _e4m3_decode(tl.load(A + rows[:, None].to(tl.int64) * K + kb * 32 + k32[None, :], mask=in_m[:, None],
-                                 other=0), FNUZ).to(tl.float16)                          # [BLOCK_M, 32]
+    for kb in range(kb0, tl.minimum(kb0 + KB_SPLIT, nkb)):                          # 32-wide K blocks
+        a_at = A + rows[:, None].to(tl.int64) * K + kb * 32 + 2 * k16[None, :]         # k = 2j: the even k
+        a_even = _e4m3_decode(tl.load(a_at, mask=in_m[:, None], other=0), FNUZ).to(tl.float16)       # [BLOCK_M, 16]
+        a_odd = _e4m3_decode(tl.load(a_at + 1, mask=in_m[:, None], other=0), FNUZ).to(tl.float16)
         pairs = tl.load(B + cols[:, None].to(tl.int64) * (K // 2) + kb * 16 + k16[None, :], mask=in_n[:, None], other=0)
-        nib = tl.reshape(tl.join(pairs & 0xF, pairs >> 4), (BLOCK_N, 32))              # even k: the low nibble
-        b = _e2m1_decode(nib).to(tl.float16)                                             # [BLOCK_N, 32]
-        partial = tl.dot(a, tl.trans(b))                                                # fp32 sums of exact products
+        # byte j holds k = 2j (low nibble) and 2j + 1 (high): the even k against the low codes, the odd the high
+        partial = tl.dot(a_odd, tl.trans(_e2m1_f16(pairs >> 4)),
+                         tl.dot(a_even, tl.trans(_e2m1_f16(pairs & 0xF))))             # fp32 sums of exact products
         sa = tl.load(SA + rows * (K // 128) + (kb * 32) // 128, mask=in_m, other=0.0)
         sb = tl.load(SB + cols * (K // 32) + kb, mask=in_n, other=0.0)
         acc += (partial * sa[:, None]) * sb[None, :]                                     # as the reference, in order

@@ -102,8 +102,11 @@ def render(d):
         fp8 = (f"; with the experts re-encoded to block FP8 b1 {p['moe_fp8_b1']:.1f}, b{BATCH} {p[f'moe_fp8_b{BATCH}']:.1f}"
                if "moe_fp8_b1" in p else "")
         how = "graph" if "step_b1" in cols else "eager"
+        w13 = (f"; of which the first grouped GEMM (gate | up) alone: FP4 b1 {p['w13_fp4_b1']:.1f}, b{BATCH} "
+               f"{p[f'w13_fp4_b{BATCH}']:.1f}, FP8 b1 {p['w13_fp8_b1']:.1f}, b{BATCH} {p[f'w13_fp8_b{BATCH}']:.1f}, and the "
+               f"routing's bookkeeping b1 {p['route_b1']:.1f}" if "w13_fp4_b1" in p else "")
         lines += ["", f"Other parts, us per decode step: MoE sublayer b1 {p['moe_b1']:.1f} ({how}), b{BATCH} "
-                  f"{p[f'moe_b{BATCH}']:.1f} per token{fp8}; mHC pair (hc_mix_pre + hc_post) b1 {p['hc_b1']:.1f}, b{BATCH} "
+                  f"{p[f'moe_b{BATCH}']:.1f} per token{fp8}{w13}; mHC pair (hc_mix_pre + hc_post) b1 {p['hc_b1']:.1f}, b{BATCH} "
                   f"{p[f'hc_b{BATCH}']:.1f} per token (graph); fp32 head b1 {p['head_b1']:.1f} (graph)"]
         if "step_b1" in cols:
             fp8 = whole_estimate(d, "moe_fp8_b1")
@@ -295,8 +298,9 @@ def main():
 
 def other_parts(ops, args, gen, graph_time):
     """us per token, graph-replayed: the MoE sublayer (the experts stacked as the model holds them with the
-    V4 kernels), an mHC pair and the fp32 head."""
+    V4 kernels) and its first grouped GEMM alone, an mHC pair and the fp32 head."""
     import torch
+    import backend_torch
     import kernels_v4
     import quant
     dev, d, I, E = ops.device, args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
@@ -321,6 +325,15 @@ def other_parts(ops, args, gen, graph_time):
         tok = torch.zeros(B, dtype=torch.long, device=dev)
         for key, f in (("moe", ffn), ("moe_fp8", ffn8)):
             out[f"{key}_b{B}"] = 1e6 * graph_time(lambda: ops.v4_moe(x, f, args, True, tok, True)) / B
+        # the first grouped GEMM (gate | up) alone, each route, and the routing it needs: where the MoE's time goes
+        idx = torch.stack([torch.randperm(E, device=dev, generator=gen)[:args.num_experts_per_tok] for _ in range(B)])
+        rows, _, be = backend_torch.route(idx, E, 16)
+        q, s = backend_torch.act_quant(x, kern=ops.kernels)
+        out[f"route_b{B}"] = 1e6 * graph_time(lambda: backend_torch.route(idx, E, 16)) / B
+        W = ffn["w13"]
+        out[f"w13_fp4_b{B}"] = 1e6 * graph_time(lambda: kernels_v4.fp4_moe_gemm(q, s, W.w, W.scale, rows, be)) / B
+        out[f"w13_fp8_b{B}"] = 1e6 * graph_time(lambda: backend_torch.grouped(q, s, ffn8["w13"], rows, be,
+                                                                               kern=ops.kernels)) / B
         n = args.hc_mult
         X = torch.randn(B, n, d, device=dev, generator=gen).to(torch.bfloat16).float()
         fn = torch.randn((2 + n) * n, n * d, device=dev, generator=gen) * (n * d) ** -0.5
