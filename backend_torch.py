@@ -665,7 +665,19 @@ def compressed_key(pooled, p, positions, freqs, eps, rnd, stored):  # Ĉ [B, k, 
     return K if stored is None else stored(K)
 
 
-def compress(h, p, m, overlap, start_pos, freqs, eps, state, rnd=no_round, stored=None):  # compressor.compress_ref
+def window_keys(full, Cp, Zp, p, m, overlap, positions, freqs, eps, rnd, stored, v4k=None):
+    """full [B, k m, 2h] the rows of k complete windows, Cp, Zp the window before -> their keys [B, k, c]
+    (RoPE at the positions); with the kernels (v4k) the pooling, RMSNorm and RoPE in one launch."""
+    if v4k is not None:
+        cos, sin = rope_angles(freqs, positions)
+        K = v4k.compress_keys(full, Cp, Zp, p["norm"], cos, sin, eps, m, overlap, rnd is not no_round)
+        return K if stored is None else stored(K)
+    half = full.shape[-1] // 2
+    full = full.reshape(full.shape[0], -1, m, 2 * half)
+    return compressed_key(pool(full[..., :half], full[..., half:], Cp, Zp, overlap), p, positions, freqs, eps, rnd, stored)
+
+
+def compress(h, p, m, overlap, start_pos, freqs, eps, state, rnd=no_round, stored=None, *, v4k=None):  # compressor.compress_ref
     """On a CompressorRing: the rows a window needs before start_pos come from the ring (at most 2m - 1)."""
     B, T, _ = h.shape
     dev = h.device
@@ -679,16 +691,15 @@ def compress(h, p, m, overlap, start_pos, freqs, eps, state, rnd=no_round, store
     if k == 0:
         return state.keys[:, :0]
     half = rows.shape[-1] // 2
-    full = rows[:, w0 * m - base:w1 * m - base].reshape(B, k, m, -1)
     Cp, Zp = (rows[:, :m, :half], rows[:, :m, half:]) if overlap and w0 > 0 else \
         (rows.new_zeros(B, m, half), rows.new_full((B, m, half), -float("inf")))        # no window before: no slots
-    pooled = pool(full[..., :half], full[..., half:], Cp, Zp, overlap)
-    K = compressed_key(pooled, p, m * (w0 + torch.arange(k, device=dev)), freqs, eps, rnd, stored)
+    K = window_keys(rows[:, w0 * m - base:w1 * m - base], Cp, Zp, p, m, overlap, m * (w0 + torch.arange(k, device=dev)),
+                    freqs, eps, rnd, stored, v4k)
     state.append(K)
     return K
 
 
-def compress_step(h, p, m, overlap, pos, freqs, eps, state, rnd=no_round, stored=None):
+def compress_step(h, p, m, overlap, pos, freqs, eps, state, rnd=no_round, stored=None, *, v4k=None):
     """compress for one token at the device position pos [1] with every shape fixed (decode_static): the
     token's row into the ring, then the key of its window w = pos // m from the ring, written to key slot w
     at every step. A query reads slot w only once the window is complete, (pos + 1) // m > w, and by then
@@ -697,12 +708,12 @@ def compress_step(h, p, m, overlap, pos, freqs, eps, state, rnd=no_round, stored
     state.win.index_copy_(1, pos % state.span, compress_rows(h, p, m, pos))
     w = pos // m
     at = torch.arange(m, device=h.device)
-    cur = state.win[:, (w * m + at) % state.span][:, None]                             # [B, 1, m, width]
-    prev = state.win[:, ((w - 1) * m + at) % state.span] if overlap else cur[:, 0]     # [B, m, width]
+    cur = state.win[:, (w * m + at) % state.span]                                      # [B, m, width]
+    prev = state.win[:, ((w - 1) * m + at) % state.span] if overlap else cur           # [B, m, width]
     half = cur.shape[-1] // 2
     Cp, Zp = torch.where(w > 0, prev[..., :half], 0.0), torch.where(w > 0, prev[..., half:], -float("inf"))  # window 0: none
-    pooled = pool(cur[..., :half], cur[..., half:], Cp, Zp, overlap)
-    state.buf.index_copy_(1, w, compressed_key(pooled, p, m * w, freqs, eps, rnd, stored).reshape(B, 1, -1))
+    K = window_keys(cur, Cp, Zp, p, m, overlap, m * w, freqs, eps, rnd, stored, v4k)
+    state.buf.index_copy_(1, w, K.reshape(B, 1, -1))
 
 
 def kv_fp8(kv, R, *, kern=None):  # attention_v4.kv_fp8_ref: FP8 per 64 on the nope dims, in bf16
@@ -789,13 +800,13 @@ def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, offi
     cache.ring[:, last % W] = kv[:, -len(last):]
     if kind != "sliding_attention":
         compress(x, p["compressor"], m, m == 4, start_pos, freqs, eps, cache.comp, rnd,
-                 (lambda K: kv_fp8(K, R)) if official else None)
+                 (lambda K: kv_fp8(K, R)) if official else None, v4k=v4k)
         K = cache.comp.keys
         n = K.shape[1]
         dense = kind == "heavily_compressed_attention" or not sparse
         if not dense:
             compress(x, p["indexer"]["compressor"], m, True, start_pos, freqs, eps, cache.idx, rnd,
-                     index_fp4 if official else None)
+                     index_fp4 if official else None, v4k=v4k)
             picks = indexer_select_v4(x, qr, p["indexer"], cache.idx.keys, start_pos, cos, sin, args, official, v4k=v4k,
                                       kern=kern)
         if v4k is not None:
@@ -862,14 +873,14 @@ def attention_v4_step(x, p, kind, m, pos, freqs, args, cache, sparse=True, offic
     KC, n_dense, n_max = cache.ring[:, :0], torch.zeros(1, dtype=torch.long, device=dev), 0
     if kind != "sliding_attention":
         compress_step(x, p["compressor"], m, m == 4, pos, freqs, eps, cache.comp, rnd,
-                      (lambda K: kv_fp8(K, R)) if official else None)
+                      (lambda K: kv_fp8(K, R)) if official else None, v4k=v4k)
         KC = cache.comp.buf                                                        # [B, capacity, c]
         n = KC.shape[1]
         if kind == "heavily_compressed_attention" or not sparse:
             n_dense, n_max = (pos + 1) // m, n
         else:
             compress_step(x, p["indexer"]["compressor"], m, True, pos, freqs, eps, cache.idx, rnd,
-                          index_fp4 if official else None)
+                          index_fp4 if official else None, v4k=v4k)
             qI, wI = index_query(x, qr, p["indexer"], cos, sin, args, official, kern)
             I = v4k.index_scores_v4(qI, wI, cache.idx.buf, 4 * n, 4, official)         # every slot scored ...
             vis = (pos + 1) // 4

@@ -2,9 +2,9 @@
 DSA kernels (index_prep, index_scores, topk_indices, sparse_mla_decode, sparse_mla_prefill) under the
 same names as in kernels_cuda.py (act_quant, fp8_gemm, moe_gemm and bf16_round re-exported there from
 kernels_fp8.py), from the same Triton sources, with what differs by architecture kept as data below.
-V4's kernels (hc_mix_pre, hc_post, index_scores_v4, sparse_attention, fp4_gemm: kernels_v4.py) decode every
-format from its bytes, so they are re-exported unchanged (fp4_gemm's fp16 route is gfx90a's fallback; the
-report's INT8 route is to come).
+V4's kernels (hc_mix_pre, hc_post, compress_keys, index_scores_v4, sparse_attention, fp4_gemm:
+kernels_v4.py) decode every format from its bytes, so they are re-exported unchanged (fp4_gemm's fp16
+route is gfx90a's fallback; the report's INT8 route is to come).
 
     gfx942 (MI300/MI325)  e4m3fnuz, maximum 240: checkpoint e4m3fn bytes are reinterpreted as e4m3fnuz
                           with the scale doubled (0x80, -0 in e4m3fn, is NaN in e4m3fnuz: mapped to 0);
@@ -25,7 +25,8 @@ import torch
 
 import kernels_cuda as _k
 import quant_torch
-from kernels_v4 import fp4_gemm, fp4_moe_gemm, hc_mix_pre, hc_post, index_scores_v4, sparse_attention  # noqa: F401  V4: the same kernels
+from kernels_v4 import (compress_keys, fp4_gemm, fp4_moe_gemm, hc_mix_pre, hc_post, index_scores_v4,  # noqa: F401  V4's,
+                       sparse_attention)                                                               # unchanged
 
 ARCHS = {  # gfx name -> FP8 storage dtype, its maximum, decode in-kernel (no FP8 hardware), decode the
            # packed latent's e4m3fn bytes by integer arithmetic (no native OCP FP8 conversion)

@@ -1,12 +1,17 @@
 """Triton kernels for DeepSeek-V4-Flash: mHC (V4 paper §2.2, mhc.py) in a GEMM and two kernels per
 sub-layer instead of a chain of about twenty small launches, the CSA indexer's scores (§2.3.1, compressor.py), the
-shared-KV sparse attention with its sink (§2.3, attention_v4.py) and the FP4 expert GEMM.
+shared-KV sparse attention with its sink (§2.3, attention_v4.py), the compressors' pooling (§2.3.1-2.3.2,
+compressor.py) and the FP4 expert GEMM.
 
     hc_mix_pre        μ = Φ x̄ · rsqrt(mean(x̄²) + eps) (Φ x̄ one cuBLAS GEMM), then in one kernel the
                       pre / post mixes, Sinkhorn on the comb mix and the collapse u = Σ_i a_i X_i
                                                  reference: mhc.hc_mix_pre_ref
     hc_post           X'_j = c_j y + Σ_i B_ij X_i, the streams re-rounded to bf16 (official numerics)
                                                  reference: mhc.hc_post_ref
+    compress_keys     a compressor's keys from its windows' projections: the gated pooling Ĉ_w = Σ_j
+                      softmax_j(Z_j) ⊙ C_j over the window's slots (CSA: 2m, overlapping), eqs. (11) /
+                      (21), then RMSNorm and RoPE at the window's first token, one program a key
+                                                 reference: compressor.compress_ref's steps
     index_scores_v4   I_{t,w} = Σ_h w_{t,h} ReLU(q_{t,h} . K_w), eq. (16), -inf where window w is not
                       complete at t; the top-k is kernels_cuda.topk_indices (V3.2's, the same arithmetic)
                                                  reference: compressor.index_scores_v4_ref
@@ -152,6 +157,95 @@ def hc_post(X, y, post, comb, official=False):  # [M, n, d], [M, d], [M, n], [M,
     _hc_post_kernel[(M, triton.cdiv(d, BLOCK_D))](
         X.float().contiguous(), y.float().contiguous(), post.float().contiguous(), comb.float().contiguous(), out, d,
         N=n, ROUND=bool(official), BLOCK_D=BLOCK_D, num_warps=4)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# compressor.compress_ref after its two GEMMs: the gated pooling of each window's rows into a key,
+# eqs. (11) / (21), then RMSNorm and RoPE at the window's first token; one program a key
+
+@triton.jit
+def _compress_slots(rows, CP, ZP, prev, s, i, m, S, ch, C: tl.constexpr, H: tl.constexpr, OVERLAP: tl.constexpr):
+    """[BLOCK_S, C] values (kv) and gate logits (z) of window i's slots s: CSA's s < m are window i-1's
+    C^a (for window 0, CP and ZP's), s >= m window i's C^b; HCA's are window i's rows."""
+    ok = (s < S)[:, None]
+    if OVERLAP:
+        early = s < m
+        row = tl.where(early, (i - 1) * m + s, i * m + s - m)
+        off = row[:, None] * (2 * H) + tl.where(early, 0, C)[:, None] + ch[None, :]
+        before = (early & (i == 0))[:, None]
+        at_p = prev + s[:, None] * H + ch[None, :]
+        kv = tl.load(tl.where(before, CP + at_p, rows + off), mask=ok, other=0.0)
+        z = tl.load(tl.where(before, ZP + at_p, rows + off + H), mask=ok, other=-float("inf"))
+    else:
+        off = (i * m + s)[:, None] * (2 * H) + ch[None, :]
+        kv = tl.load(rows + off, mask=ok, other=0.0)
+        z = tl.load(rows + off + H, mask=ok, other=-float("inf"))
+    return kv, z
+
+
+@triton.jit
+def _compress_kernel(ROWS, CP, ZP, NORM, COS, SIN, OUT, k, m, eps, C: tl.constexpr, R: tl.constexpr,
+                     OVERLAP: tl.constexpr, ROUND: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Reference: compressor.pool_ref, rms_norm, rope_tail (backend_torch.compress's steps). ROWS [B, k m,
+    2 h] the windows' [C_j | Z_j + B] (h = 2c where windows overlap, else c), CP, ZP [B, m, h] the window
+    before the first (Z -inf: none), NORM [c], COS, SIN [k, R/2] -> OUT [B, k, c]. Program (b, i): window
+    i's S slots (CSA: 2m, [C^a of window i-1 | C^b of window i]; HCA: m), the softmax over them per
+    channel in three passes (max, sum, then the probabilities times the values, as the reference)."""
+    b = tl.program_id(0)
+    i = tl.program_id(1)
+    ch = tl.arange(0, C)
+    H: tl.constexpr = 2 * C if OVERLAP else C                                    # width of C_j (and of Z_j)
+    S = 2 * m if OVERLAP else m
+    rows = ROWS + (b * k * m).to(tl.int64) * (2 * H)
+    prev = (b * m).to(tl.int64) * H
+    mx = tl.full((C,), -float("inf"), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        _, z = _compress_slots(rows, CP, ZP, prev, s0 + tl.arange(0, BLOCK_S), i, m, S, ch, C, H, OVERLAP)
+        mx = tl.maximum(mx, tl.max(z, 0))
+    tot = tl.zeros((C,), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        _, z = _compress_slots(rows, CP, ZP, prev, s0 + tl.arange(0, BLOCK_S), i, m, S, ch, C, H, OVERLAP)
+        tot += tl.sum(tl.exp(z - mx[None, :]), 0)
+    pooled = tl.zeros((C,), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        kv, z = _compress_slots(rows, CP, ZP, prev, s0 + tl.arange(0, BLOCK_S), i, m, S, ch, C, H, OVERLAP)
+        pooled += tl.sum(tl.exp(z - mx[None, :]) / tot[None, :] * kv, 0)           # Ĉ_i [C]
+    if ROUND:
+        pooled = _bf16_round(pooled)
+    y = pooled * (1.0 / tl.sqrt(tl.sum(pooled * pooled, 0) / C + eps))             # RMSNorm, then its weight
+    y = tl.load(NORM + ch) * y
+    if ROUND:
+        y = _bf16_round(y)
+    a, b2 = tl.split(tl.reshape(y, (C // 2, 2)))                                    # interleaved pairs
+    pair = tl.arange(0, C // 2) - (C - R) // 2                                      # the trailing R dims rotate
+    cos = tl.load(COS + i * (R // 2) + pair, mask=pair >= 0, other=1.0)
+    sin = tl.load(SIN + i * (R // 2) + pair, mask=pair >= 0, other=0.0)
+    y = tl.reshape(tl.join(a * cos - b2 * sin, a * sin + b2 * cos), (C,))
+    if ROUND:
+        y = _bf16_round(y)
+    tl.store(OUT + (b * k + i).to(tl.int64) * C + ch, y)
+
+
+def compress_keys(rows, Cp, Zp, norm, cos, sin, eps, m, overlap, official=False):
+    """backend_torch.compress's pooling, RMSNorm and RoPE: rows [B, k m, 2h] of k complete windows, Cp, Zp
+    [B, m, h] the window before (CSA; Zp -inf: none), norm [c], cos, sin [k, R/2] at each window's first
+    token -> K [B, k, c] float32 (bf16 values in official numerics), before the cache's fake quantisation."""
+    B, km, width = rows.shape
+    k, c, R = km // m, norm.shape[0], 2 * cos.shape[-1]
+    h = 2 * c if overlap else c
+    if c & (c - 1) or width != 2 * h or km != k * m or cos.shape != (k, R // 2) or sin.shape != cos.shape \
+            or (overlap and (Cp.shape != (B, m, h) or Zp.shape != (B, m, h))):
+        raise ValueError(f"compress_keys: rows {tuple(rows.shape)}, windows of {m}, norm {tuple(norm.shape)} (a power "
+                         f"of two), cos {tuple(cos.shape)}, prev {tuple(Cp.shape) if overlap else None} do not agree")
+    out = torch.empty(B, k, c, dtype=torch.float32, device=rows.device)
+    if k:
+        dummy = rows[:, :0]
+        _compress_kernel[(B, k)](
+            rows.float().contiguous(), Cp.float().contiguous() if overlap else dummy,
+            Zp.float().contiguous() if overlap else dummy, norm.float().contiguous(), cos.float().contiguous(),
+            sin.float().contiguous(), out, k, m, float(eps), C=c, R=R, OVERLAP=bool(overlap), ROUND=bool(official),
+            BLOCK_S=min(16, triton.next_power_of_2(2 * m if overlap else m)), num_warps=4)
     return out
 
 

@@ -216,6 +216,34 @@ def test_index_scores_v4_kernel(B, T, J, D, n, start_pos, official, seed):
         assert np.all(np.abs(got[fin] - want[fin]) <= 2.0 ** -20 * mag[fin] + 1e-30)
 
 
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, 2), st.integers(1, 3), st.sampled_from([4, 8, 16]), st.sampled_from([64, 128]), st.sampled_from([16, 64]),
+       st.booleans(), st.booleans(), st.floats(0.01, 30), st.integers(0, 2 ** 31))
+def test_compress_keys_kernel(B, k, m, c, R, official, first, spread, seed):
+    # the compressor's pooling (CSA's overlapping windows for m = 4, from the window before or none), RMSNorm and
+    # RoPE, against compressor.pool_ref, rms_norm and rope_tail as compress_ref composes them
+    import compressor
+    rng = np.random.default_rng(seed)
+    overlap = m == 4
+    h = 2 * c if overlap else c
+    rows = (rng.standard_normal((B, k * m, 2 * h)) * spread).astype(np.float32)
+    prev = None if first or not overlap else tuple((rng.standard_normal((B, m, h)) * spread).astype(np.float32)
+                                                 for _ in range(2))
+    norm = (1 + 0.1 * rng.standard_normal(c)).astype(np.float32)
+    ang = rng.random((k, R // 2)) * 6
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    rnd = quant.bf16_round if official else quant.no_round
+    pooled = compressor.pool_ref(rows[..., :h], rows[..., h:], prev, m, overlap)
+    want = rnd(compressor.rope_tail(compressor.rms_norm(rnd(pooled), norm, 1e-6, rnd)[:, :, None], cos, sin)[:, :, 0])
+    Cp, Zp = prev if prev is not None else (np.zeros((B, m, h), np.float32), np.full((B, m, h), -np.inf, np.float32))
+    got = kernels_v4.compress_keys(t(rows), t(Cp), t(Zp), t(norm), t(cos), t(sin), 1e-6, m, overlap, official).cpu().numpy()
+    assert got.shape == want.shape == (B, k, c)
+    if official:                                     # the pooled sum or the norm on a bf16 rounding boundary: an ulp
+        assert np.all(np.abs(got - want) <= 2 * bf16_ulp(want) + 1e-30)
+    else:
+        assert np.abs(got - want).max(initial=0) <= 1e-5 * max(1.0, np.abs(want).max(initial=0))
+
+
 @settings(max_examples=10, deadline=None)
 @given(st.integers(1, 12), st.integers(1, 5), st.integers(1, 3), st.integers(1, 100), st.integers(1, 3), st.integers(0, 2 ** 31))
 def test_fp4_moe_gemm_kernel(M, E, Kt, N, Kb, seed):
