@@ -280,7 +280,10 @@ def test_ctrl_c_exits_130_without_traceback(tiny, where):
     import signal
     flags = ["--prompt", "x", "--max-new-tokens", "900"] if where == "generating" else ["--interactive"]
     p = subprocess.Popen([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(tiny), "--temperature", "0", *flags],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # (SIGINT as a terminal delivers it, even where the suite runs in the background: a shell starts background
+    # jobs with SIGINT ignored, and a child inherits that)
     err = []
     while not (err and err[-1].startswith("ckpt=")):                    # the settings line: loaded, starting
         err.append(p.stderr.readline())
