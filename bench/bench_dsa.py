@@ -22,9 +22,6 @@ TRITON_INTERPRET=1 the timings mean nothing: it only checks that the script runs
     python bench/bench_dsa.py [--out DIR] [--smoke]      (writes DIR/dsa.json, prints the table)
     python bench/bench_dsa.py --render FILE.json          (the table of a stored run)
 """
-import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -48,13 +45,14 @@ MLA_B1_CONFIGS = [dict(c, splits=sp) for sp in (8, 16, 32) for c in
                    dict(block_h=128, block_n=32, num_warps=8, num_stages=1), dict(block_h=32, block_n=32, num_warps=4, num_stages=1))]
 
 
-def render(meta, rows):
+def render(meta, rows):  # (bench_v4_kernels.py's too: its rows have no tile configurations, so no config column)
     roof = meta["roofline"]
+    configs = any("config" in r for r in rows)
     out = [f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; measured roofline: FP8 "
            f"{roof['fp8_tflops']:.0f} TFLOP/s, bf16 {roof['bf16_tflops']:.0f} TFLOP/s, copy {roof['copy_gbs']:.0f} GB/s"
            f"{bench_gemm.floor_note(roof)}", "",
-           "| kernel | shape | us | TFLOP/s | TB/s | of roofline | PyTorch baseline us | speed-up | config |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| kernel | shape | us | TFLOP/s | TB/s | of roofline | PyTorch baseline us | speed-up |" + (" config |" if configs else ""),
+           "|---|---|---|---|---|---|---|---|" + ("---|" if configs else "")]
     for r in rows:
         us = 1e3 * r["ms"]
         tf = r.get("flops", 0) / r["ms"] / 1e9
@@ -64,26 +62,17 @@ def render(meta, rows):
         base = f"{1e3 * r['baseline_ms']:.1f}" if r.get("baseline_ms") else "-"
         speed = f"{r['baseline_ms'] / r['ms']:.1f}x" if r.get("baseline_ms") else "-"
         cfg = ", ".join(f"{k}={v}" for k, v in r.get("config", {}).items())
-        out.append(f"| {r['kernel']} | {r['shape']} | {us:.1f} | {tf:.0f} | {tb:.2f} | {of:.2f} | {base} | {speed} | {cfg} |")
+        out.append(f"| {r['kernel']} | {r['shape']} | {us:.1f} | {tf:.0f} | {tb:.2f} | {of:.2f} | {base} | {speed} |"
+                   + (f" {cfg} |" if configs else ""))
     return "\n".join(out)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for dsa.json")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU interpreter)")
-    ap.add_argument("--render", help="print the table of a stored dsa.json")
-    a = ap.parse_args()
-    if a.render:
-        d = json.loads(Path(a.render).read_text())
-        print(render(d["meta"], d["rows"]))
+    a = bench_gemm.kernel_bench_cli(__doc__, "dsa.json", render)          # (no GPU: TRITON_INTERPRET=1)
+    if a is None:
         return
     import torch
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import triton
     import kernels_cuda
-    bench_gemm._imports()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=dev).manual_seed(0)
     smoke = a.smoke
@@ -236,12 +225,7 @@ def main():
                 for ck in (per_dev[0].values() if isinstance(per_dev, tuple) else []):
                     print(name, "regs", getattr(ck, "n_regs", "?"), "spills", getattr(ck, "n_spills", "?"),
                           "warps", getattr(getattr(ck, "metadata", None), "num_warps", "?"), file=sys.stderr)
-    meta = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)", torch=torch.__version__,
-                triton=triton.__version__, date=time.strftime("%Y-%m-%d"), smoke=smoke,
-                roofline=bench_gemm.rooflines() if dev == "cuda" else dict(fp8_tflops=1, bf16_tflops=1, copy_gbs=1))
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "dsa.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    print(render(meta, rows))
+    bench_gemm.write_kernel_run(a.out, "dsa.json", rows, smoke, render)
 
 
 if __name__ == "__main__":

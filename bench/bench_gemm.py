@@ -78,6 +78,36 @@ def rooflines():
     return {"bf16_tflops": bf16, "fp8_tflops": fp8, "copy_gbs": copy, "floor_us": one_kernel}
 
 
+def kernel_bench_cli(doc, json_name, render):
+    """The command line of the kernel benchmarks (bench_dsa.py, bench_v4_kernels.py): --out, --smoke, --render.
+    -> the parsed arguments, or None once --render has printed a stored run's table."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help=f"folder for {json_name}")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU interpreter)")
+    ap.add_argument("--render", help=f"print the table of a stored {json_name}")
+    a = ap.parse_args()
+    if a.render:
+        d = json.loads(Path(a.render).read_text())
+        print(render(d["meta"], d["rows"]))
+        return None
+    import torch as t
+    if not t.cuda.is_available():                    # the kernels in the interpreter (--smoke)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    _imports()
+    return a
+
+
+def write_kernel_run(out, json_name, rows, smoke, render):  # the run's meta (with the rooflines), its JSON, its table
+    import triton
+    cuda = torch.cuda.is_available()
+    meta = dict(gpu=torch.cuda.get_device_name() if cuda else "cpu (interpreter)", torch=torch.__version__,
+                triton=triton.__version__, date=time.strftime("%Y-%m-%d"), smoke=smoke,
+                roofline=rooflines() if cuda else dict(fp8_tflops=1, bf16_tflops=1, copy_gbs=1))
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / json_name).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(render(meta, rows))
+
+
 def floor_note(roof):  # the timing floor, for the tables' headers (stored runs before it was measured: nothing)
     return f"; a graph-timed one-element kernel: {roof['floor_us']:.1f} us" if "floor_us" in roof else ""
 

@@ -408,6 +408,16 @@ def test_v4_cost_curve_renders_from_the_stored_run():
     assert (ROOT / "bench" / "v4_h200_2026-12-02.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_v4_kernels_benchmark_script_runs(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_v4_kernels.py"), "--smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    kernels = {line.split(" | ")[0].lstrip("| ") for line in r.stdout.splitlines()[4:]}
+    assert {"mHC pair (hc_mix_pre + hc_post)", "compress_keys (CSA, m=4)", "compress_keys (HCA, m=16)", "index_scores_v4",
+            "top-k (kernels_cuda.topk_indices)", "sparse_attention decode (CSA)", "fp4_moe_gemm (gate and up)"} <= kernels, kernels
+    assert (tmp_path / "v4_kernels.json").is_file()
+
+
 def test_dsa_benchmark_script_runs(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_dsa.py"), "--smoke", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
