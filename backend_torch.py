@@ -1069,6 +1069,8 @@ class GraphDecoder:
             self.logits = model.decode_static(self.tok, self.pos)
 
     def __call__(self, tokens, pos):  # tokens [B, 1] (device or host) at position pos -> logits [B, V]
+        if pos >= getattr(self.model, "planned_len", pos + 1):      # V4: its key buffers end there (a device assert)
+            raise ValueError(f"GraphDecoder: position {pos} is past the reserved {self.model.planned_len} tokens")
         self.tok.copy_(torch.as_tensor(tokens).reshape(self.tok.shape), non_blocking=True)
         self.pos.fill_(pos)
         self.graph.replay()

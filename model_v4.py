@@ -288,10 +288,19 @@ class TransformerV4:
             probe_experts(held, w["layers"], ops)
         return cls(args, held, path, numerics, attention, ops)
 
-    def reserve(self, batch, total_len):  # room for total_len tokens' compressed keys when the caches start
+    def reserve(self, batch, total_len):
+        """Room for total_len tokens' compressed keys: at the caches' start, or now for caches kept from a
+        chat's last turn (decode_static writes by position and cannot grow a buffer)."""
         if total_len > self.args.max_seq_len:
             raise ValueError(f"{total_len} tokens exceed max_seq_len {self.args.max_seq_len}")
         self.planned_len = total_len
+        self._reserve_keys()
+
+    def _reserve_keys(self):  # each compressor's key buffer sized for planned_len, + the open window's (decode_static)
+        for i, cache in enumerate(self.caches):
+            for state, m in ((cache.comp, self.args.ratio(i)), (cache.idx, 4)):
+                if state is not None:
+                    state.reserve(self.planned_len // m + 1)
 
     def forward(self, tokens, start_pos=0, all_positions=False, record=None):
         """tokens [B, T] -> logits [B, V] of the last position (or [B, T, V]). start_pos 0 starts over;
@@ -309,10 +318,7 @@ class TransformerV4:
         B, T = tokens.shape
         if start_pos == 0:
             self.caches = [ops.v4_cache(B, a, a.layer_types[i], lw["attn"]) for i, lw in enumerate(w["layers"])]
-            for i, cache in enumerate(self.caches):      # keys of the planned length at once (reserve), not by doubling
-                for state, m in ((cache.comp, a.ratio(i)), (cache.idx, 4)):
-                    if state is not None:
-                        state.reserve(self.planned_len // m + 1)        # + the open window's (decode_static)
+            self._reserve_keys()                         # keys of the planned length at once, not by doubling
             self.cached_len = 0
         elif start_pos != self.cached_len or B != self.caches[0].ring.shape[0]:
             raise ValueError(f"start_pos {start_pos} (batch {B}): V4 continues its caches only at the cached length "

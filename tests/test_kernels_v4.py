@@ -217,7 +217,7 @@ def test_index_scores_v4_kernel(B, T, J, D, n, start_pos, official, seed):
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.integers(1, 2), st.integers(1, 3), st.sampled_from([4, 8, 16]), st.sampled_from([64, 128]), st.sampled_from([16, 64]),
+@given(st.integers(1, 2), st.integers(1, 3), st.sampled_from([4, 16, 128]), st.sampled_from([64, 512]), st.sampled_from([16, 64]),
        st.booleans(), st.booleans(), st.floats(0.01, 30), st.integers(0, 2 ** 31))
 def test_compress_keys_kernel(B, k, m, c, R, official, first, spread, seed):
     # the compressor's pooling (CSA's overlapping windows for m = 4, from the window before or none), RMSNorm and

@@ -445,20 +445,30 @@ def test_kernel_path_exact_equals_numpy(pair):
 def test_static_decode_equals_numpy_and_the_caches_continue(tiny_v4):
     # the capturable step (ring slots by position, keys written by window, the buffers' whole capacity) in
     # exact numerics against the NumPy reference, across CSA and HCA windows completing (pos 15, 19: m = 4,
-    # 16), the picks a choice (index_topk 4); then a chunk through forward after the static steps
+    # 16), the picks a choice (index_topk 4); a chunk through forward after the static steps; then, as for a
+    # chat's next turn, reserve grows the kept caches' key buffers (decode_static writes key pos // m)
     from model import Transformer
     ops = kernel_ops()
     tokens = np.random.default_rng(6).integers(0, 512, (2, 24))
     want = TransformerV4.from_pretrained(tiny_v4, numerics="exact").forward(tokens, all_positions=True)
     t = Transformer.from_pretrained(tiny_v4, backend="torch", device=str(ops.device), ops=ops, numerics="exact")
-    t.reserve(2, 24)
-    t.forward(tokens[:, :13])
-    for s in range(13, 21):
+
+    def static(s):
         got = t.decode_static(torch.as_tensor(tokens[:, s:s + 1], device=ops.device), torch.tensor(s, device=ops.device))
         t.cached_len = s + 1
-        assert rel_err(got.cpu().numpy(), want[:, s]) <= 1e-5, s
-    got = t.forward(tokens[:, 21:], start_pos=21, all_positions=True)
-    assert rel_err(got.cpu().numpy(), want[:, 21:]) <= 1e-5
+        assert rel_err(got.cpu().numpy(), want[:, s]) <= 1e-5 and np.array_equal(got.cpu().numpy().argmax(-1),
+                                                                                   want[:, s].argmax(-1)), s
+    t.reserve(2, 24)
+    t.forward(tokens[:, :13])
+    for s in range(13, 20):
+        static(s)
+    got = t.forward(tokens[:, 20:], start_pos=20, all_positions=True)
+    assert rel_err(got.cpu().numpy(), want[:, 20:]) <= 1e-5
+    t.reserve(2, 64)
+    for i, cache in enumerate(t.caches):
+        for state, m in ((cache.comp, t.args.ratio(i)), (cache.idx, 4)):
+            if state is not None:
+                assert state.buf.shape[1] >= 63 // m + 1 and state.n == 24 // m     # room to write; the keys kept
 
 
 @gpu
@@ -477,8 +487,10 @@ def test_cuda_graph_replays_v4s_static_step(tiny_v4):
         nxt = torch.as_tensor(tokens[:, s:s + 1], device="cuda")
         want = a.decode_static(nxt, torch.tensor(s, device="cuda"))
         a.cached_len = s + 1
-        c.forward(nxt, start_pos=s)
-        assert rel_err(graph(nxt, s).cpu().numpy(), want.cpu().numpy()) <= 1e-6, s
+        ref = c.forward(nxt, start_pos=s).cpu().numpy()
+        got = graph(nxt, s).cpu().numpy()
+        assert rel_err(got, want.cpu().numpy()) <= 1e-6, s                        # the replay: the eager step
+        assert rel_err(got, ref) <= 2 ** -5 and np.array_equal(got.argmax(-1), ref.argmax(-1)), s   # forward's step
     got, want = (m.forward(tokens[:, 60:], start_pos=60, all_positions=True) for m in (b, c))
     err = rel_err(got.cpu().numpy(), want.cpu().numpy())
     print(f"graph then forward against forward alone: {err:.2e}")
