@@ -35,7 +35,8 @@ def window_mask_ref(T, start_pos, pos, W):  # -> [T, S] bool: key at position po
 class V4LayerCache:
     """One layer's caches, growing by one key per m tokens of context, not one per token: the keys of the
     last n_win positions (a ring: position j in slot j mod n_win), and each compressor's state (the open
-    window, every key so far; compressor.CompressorState)."""
+    window, every key so far; compressor.CompressorState, or the torch path's fixed-shape
+    backend_torch.CompressorRing)."""
 
     def __init__(self, B, args, kind, p, zeros=lambda shape: np.zeros(shape, np.float32),
                  state=compressor.CompressorState):      # zeros, state: the backend's storage and compressor state
