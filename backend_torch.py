@@ -859,8 +859,9 @@ def attention_v4_step(x, p, kind, m, pos, freqs, args, cache, sparse=True, offic
     """attention_v4 for one token at the device position pos [1] with every shape fixed and nothing read
     back (TransformerV4.decode_static; a CUDA graph captures it), through the kernels: the key into ring
     slot pos mod n_win, the window's keys named by slot in position order, the compressors' steps
-    (compress_step), the CSA indexer over the whole key buffer with the windows not complete yet at -inf,
-    and the attention over the buffer's complete prefix (HCA) or the picks. x [B, 1, d] -> [B, 1, d]."""
+    (compress_step), the CSA indexer's scores over the whole key buffer and its top-k over the complete
+    windows (their count a device value: the causal bound of V3.2's top-k), and the attention over the
+    buffer's complete prefix (HCA) or the picks. x [B, 1, d] -> [B, 1, d]."""
     B = x.shape[0]
     W, R, eps = args.sliding_window, args.qk_rope_head_dim, args.rms_norm_eps
     dev = x.device
@@ -882,11 +883,10 @@ def attention_v4_step(x, p, kind, m, pos, freqs, args, cache, sparse=True, offic
             compress_step(x, p["indexer"]["compressor"], m, True, pos, freqs, eps, cache.idx, rnd,
                           index_fp4 if official else None, v4k=v4k)
             qI, wI = index_query(x, qr, p["indexer"], cos, sin, args, official, kern)
-            I = v4k.index_scores_v4(qI, wI, cache.idx.buf, 4 * n, 4, official)         # every slot scored ...
-            vis = (pos + 1) // 4
-            I = I.masked_fill(torch.arange(n, device=dev) >= vis, -float("inf"))        # ... the open ones -inf
-            picks = v4k.topk_indices(I, min(args.index_topk, n), n)
-            idx = torch.cat([idx, torch.where(picks < vis, picks + W, -1)], -1)
+            I = v4k.index_scores_v4(qI, wI, cache.idx.buf, 4 * n, 4, official)         # every slot scored
+            last = (pos + 1) // 4 - 1                    # the last complete window: V3.2's causal bound, on the device
+            picks = v4k.topk_indices(I, min(args.index_topk, n), last)                 # (-1 past the complete ones)
+            idx = torch.cat([idx, torch.where(picks >= 0, picks + W, -1)], -1)
     o = v4k.sparse_attention(q, cache.ring, KC, idx, n_dense, p["attn_sink"], args.softmax_scale, official, n_max=n_max)
     return v4_output(o, p, args, cos, sin, official, kern)
 
