@@ -635,9 +635,8 @@ class CompressorRing(compressor.CompressorState):
 
     def __init__(self, B, p, zeros):
         super().__init__(B, p, zeros)
-        self.m = p["ape"].shape[0]
-        self.overlap = p["wkv"].w.shape[0] == 2 * p["norm"].shape[0]
-        self.span = 2 * self.m if self.overlap else self.m
+        m, overlap = p["ape"].shape[0], p["wkv"].w.shape[0] == 2 * p["norm"].shape[0]
+        self.span = 2 * m if overlap else m
         self.win, self.rows = zeros((B, self.span, self.rows.shape[-1])), None
 
     def nbytes(self):

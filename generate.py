@@ -105,9 +105,8 @@ class ChatPrinter:
 def _on_cuda(model):  # a torch model on a CUDA GPU in official numerics: its decode step is capturable
     opts = getattr(model, "opts", model)                          # V3.2 keeps its options in .opts, V4 on itself
     ops = getattr(opts, "ops", None)
-    v4_steps = opts is model and ops is not None and ops.v4_attention_step is not None   # V4: through its kernels
     return ops is not None and ops.name == "torch" and ops.device.type == "cuda" and opts.official and \
-        (opts is not model or v4_steps)
+        (opts is not model or ops.v4_attention_step is not None)   # V4: its step needs the V4 kernels
 
 
 def generate(model, prompts, max_new_tokens, eos_id, temperature=0.0, rng=None, on_token=None, reuse=0,

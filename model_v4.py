@@ -234,10 +234,14 @@ class TransformerV4:
     @cached_len.setter
     def cached_len(self, L):  # after decode_static's steps (which write keys by position): the compressors' key counts
         self._len = L
+        for state, m in self._compressors():
+            state.n = L // m
+
+    def _compressors(self):  # (each compressor's state, its m) over the layers' caches
         for i, cache in enumerate(self.caches):
             for state, m in ((cache.comp, self.args.ratio(i)), (cache.idx, 4)):
                 if state is not None:
-                    state.n = L // m
+                    yield state, m
 
     @classmethod
     def from_pretrained(cls, path, backend="numpy", numerics=None, attention="sparse", indexer=None, max_seq_len=None,
@@ -297,10 +301,8 @@ class TransformerV4:
         self._reserve_keys()
 
     def _reserve_keys(self):  # each compressor's key buffer sized for planned_len, + the open window's (decode_static)
-        for i, cache in enumerate(self.caches):
-            for state, m in ((cache.comp, self.args.ratio(i)), (cache.idx, 4)):
-                if state is not None:
-                    state.reserve(self.planned_len // m + 1)
+        for state, m in self._compressors():
+            state.reserve(self.planned_len // m + 1)
 
     def forward(self, tokens, start_pos=0, all_positions=False, record=None):
         """tokens [B, T] -> logits [B, V] of the last position (or [B, T, V]). start_pos 0 starts over;
