@@ -2,9 +2,11 @@
 DSA kernels (index_prep, index_scores, topk_indices, sparse_mla_decode, sparse_mla_prefill) under the
 same names as in kernels_cuda.py (act_quant, fp8_gemm, moe_gemm and bf16_round re-exported there from
 kernels_fp8.py), from the same Triton sources, with what differs by architecture kept as data below.
-V4's kernels (hc_mix_pre, hc_post, compress_keys, index_scores_v4, sparse_attention, fp4_gemm:
-kernels_v4.py) decode every format from its bytes, so they are re-exported unchanged (fp4_gemm's fp16
-route is gfx90a's fallback; the report's INT8 route is to come).
+V4's kernels (hc_mix_pre, hc_post, compress_keys, index_scores_v4, sparse_attention: kernels_v4.py) decode
+every format from its bytes, so they are re-exported unchanged; the FP4 expert GEMMs (fp4_gemm,
+fp4_moe_gemm) take the architecture's route: fp16 (both operands decoded to fp16 for the MMA) or, on
+gfx90a, the gfx90a report's int8 (FP4 codes x 2 and the activations' integer limbs in INT8 MMAs: exact),
+with fp16 its fallback (route="fp16").
 
     gfx942 (MI300/MI325)  e4m3fnuz, maximum 240: checkpoint e4m3fn bytes are reinterpreted as e4m3fnuz
                           with the scale doubled (0x80, -0 in e4m3fn, is NaN in e4m3fnuz: mapped to 0);
@@ -13,7 +15,7 @@ route is gfx90a's fallback; the report's INT8 route is to come).
     gfx950 (MI350/MI355)  e4m3fn (OCP), maximum 448, as on NVIDIA
     gfx90a (MI200/MI250)  no FP8 hardware: the GEMMs and the indexer decode FP8 bytes to fp16 inside the
                           kernel, the sparse MLA decodes the latent bytes; act_quant runs in torch (no
-                          FP8 store in Triton there)
+                          FP8 store in Triton there); V4's FP4 experts through INT8 MMAs
 
 On gfx942 the activation grid (e4m3fnuz, maximum 240) differs from the official e4m3fn one, so its
 numerics are close to, not identical with, the official model's.
@@ -24,15 +26,15 @@ No AMD GPU was available to this project: these paths are checked in the Triton 
 import torch
 
 import kernels_cuda as _k
+import kernels_v4 as _v4
 import quant_torch
-from kernels_v4 import (compress_keys, fp4_gemm, fp4_moe_gemm, hc_mix_pre, hc_post, index_scores_v4,  # noqa: F401  V4's,
-                       sparse_attention)                                                               # unchanged
+from kernels_v4 import compress_keys, hc_mix_pre, hc_post, index_scores_v4, sparse_attention  # noqa: F401  V4's, unchanged
 
 ARCHS = {  # gfx name -> FP8 storage dtype, its maximum, decode in-kernel (no FP8 hardware), decode the
-           # packed latent's e4m3fn bytes by integer arithmetic (no native OCP FP8 conversion)
-    "gfx942": dict(fp8=torch.float8_e4m3fnuz, fp8_max=240.0, decode=False, fnuz=True, latent_decode=True),
-    "gfx950": dict(fp8=torch.float8_e4m3fn, fp8_max=448.0, decode=False, fnuz=False, latent_decode=False),
-    "gfx90a": dict(fp8=torch.float8_e4m3fn, fp8_max=448.0, decode=True, fnuz=False, latent_decode=True),
+           # packed latent's e4m3fn bytes by integer arithmetic (no native OCP FP8 conversion), FP4 GEMM route
+    "gfx942": dict(fp8=torch.float8_e4m3fnuz, fp8_max=240.0, decode=False, fnuz=True, latent_decode=True, fp4="fp16"),
+    "gfx950": dict(fp8=torch.float8_e4m3fn, fp8_max=448.0, decode=False, fnuz=False, latent_decode=False, fp4="fp16"),
+    "gfx90a": dict(fp8=torch.float8_e4m3fn, fp8_max=448.0, decode=True, fnuz=False, latent_decode=True, fp4="int8"),
 }
 
 ROCM_GEMM_CONFIGS = [  # (max M, BLOCK_M, BLOCK_N, num_warps, num_stages); wave64: fewer, wider warps
@@ -73,6 +75,15 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, arch=None):
 
 
 rope, bf16_round = _k.rope, _k.bf16_round     # fp32 elementwise: nothing differs by architecture
+
+
+def fp4_gemm(a, sa, packed, sb, fnuz=False, arch=None, route=None):  # route: "int8" or "fp16" (default: the arch's)
+    return _v4.fp4_gemm(a, sa, packed, sb, fnuz=fnuz, int8=(route or ARCHS[arch or current_arch()]["fp4"]) == "int8")
+
+
+def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False, gemv=None, arch=None, route=None):
+    return _v4.fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=fnuz, gemv=gemv,
+                            int8=(route or ARCHS[arch or current_arch()]["fp4"]) == "int8")
 
 
 def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, arch=None):

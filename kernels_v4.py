@@ -22,9 +22,11 @@ compressor.py) and the FP4 expert GEMM.
                                                  reference: attention_v4.sparse_attention_ref
     fp4_gemm          the routed experts' GEMM: FP8 activations (1x128 scales) times MXFP4 weights (two
                       e2m1 codes a byte, the low nibble first; one E8M0 scale per 32), per 32-wide K
-                      block the partial sum promoted by both scales      reference: quant.fp4_gemm
+                      block the partial sum promoted by both scales; the fp16 route or the int8 one
+                      (gfx90a's; bit for bit)                            reference: quant.fp4_gemm
     fp4_moe_gemm      the same over a layer's stacked experts, token rows gathered, one expert per
-                      16-row block (as kernels_fp8.moe_gemm)             reference: quant.fp4_gemm per expert
+                      16-row block (as kernels_fp8.moe_gemm); for decode a GEMV, a routed row a program
+                                                                         reference: quant.fp4_gemm per expert
 
 Numerics: fp32 sums, as the official code. The references sum in float64 (quant.matmul_f32) where the
 official code's order is not defined, so results agree to float32 rounding, not bit for bit, and a bf16
@@ -250,11 +252,16 @@ def compress_keys(rows, Cp, Zp, norm, cos, sin, eps, m, overlap, official=False)
 
 
 # -----------------------------------------------------------------------------
-# quant.fp4_gemm: V4's expert GEMM. Both operands decoded from their bytes to fp16 inside the kernel
-# (every e4m3 and e2m1 value is exact in fp16; plain Triton on any GPU and in the interpreter), the FP4
-# codes by integer operations on their bits (no exp2: the decode, not the bytes, bounded this kernel on
-# the H200). Hopper's FP8 route (the FP4 codes widened to e4m3, exact, into the FP8 MMA) and the gfx90a
-# INT8 route are the next variants; this one is what they must equal.
+# quant.fp4_gemm: V4's expert GEMM. The reference's partial sum of a 32-wide K block is exact, rounded once
+# to fp32; then promoted by the activation's scale and the weight's, the blocks added in order. Two routes:
+#   fp16   both operands decoded from their bytes to fp16 (every e4m3 and e2m1 value is exact there), the
+#          FP4 codes by integer operations on their bits; the MMA sums the exact products in fp32, so a
+#          partial may round differently where it needs more than 24 bits
+#   int8   the gfx90a report's: FP4 codes x 2 are the integers 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12 and the 0.5
+#          goes into the scale; an e4m3 activation is an integer times 2^-9 (e4m3fnuz: 2^-10) of at most
+#          18 bits, split into three signed 7-bit limbs, so three INT8 MMAs give the partial as an exact
+#          int32 (|sum| < 2^18 · 12 · 32 < 2^28), rounded once to fp32: bit for bit the reference's partial
+# The decode GEMV (_fp4_gemv_kernel) sums the same integers on the CUDA cores, exact on every GPU.
 
 @triton.jit
 def _e2m1_f16(code):
@@ -268,13 +275,33 @@ def _e2m1_f16(code):
 
 
 @triton.jit
+def _units(code, E: tl.constexpr, M: tl.constexpr):
+    """A sign | E exponent bits | M mantissa bits code (no inf, NaN not kept) -> its value in units of the
+    format's smallest subnormal, an integer: m for e = 0, (2^M + m) << (e - 1) otherwise. e2m1 (E 2, M 1):
+    twice the value, 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12; e4m3 (E 4, M 3): the value · 2^9 (e4m3fnuz: · 2^10),
+    |.| < 2^18 (act_quant writes no NaN code)."""
+    c = code.to(tl.int32)
+    e = (c >> M) & ((1 << E) - 1)
+    m = c & ((1 << M) - 1)
+    mag = tl.where(e > 0, ((1 << M) + m) << tl.maximum(e - 1, 0), m)
+    return tl.where((c & (1 << (E + M))) != 0, -mag, mag)
+
+
+@triton.jit
+def _limb(v, i: tl.constexpr):
+    """Signed 7-bit limb i of an integer of at most 21 bits: v = limb 0 + 2^7 limb 1 + 2^14 limb 2, as int8."""
+    mag = (tl.abs(v) >> (7 * i)) & 127
+    return tl.where(v < 0, -mag, mag).to(tl.int8)
+
+
+@triton.jit
 def _fp4_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, M, N, K, KB_SPLIT, GROUPED: tl.constexpr,
-                     FNUZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     FNUZ: tl.constexpr, INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Reference: quant.fp4_gemm. A [*, K] e4m3 bytes, SA [*, K/128], B [E, N, K/2] e2m1 pairs, SB [E, N, K/32].
     Program (i, j, s) sums the 32-wide K blocks [s KB_SPLIT, (s + 1) KB_SPLIT) into C[s] (split K).
     GROUPED (the routed experts, as kernels_fp8.moe_gemm): output row p is A[ROWS[p]] times expert
     BLOCK_EXPERT[p / BLOCK_M]'s weights (ROWS -1: padding; BLOCK_EXPERT -1: an unused block); else
-    output row p is A[p] times B[0], for p < M."""
+    output row p is A[p] times B[0], for p < M. INT8: the int8 route, else the fp16 one."""
     pid_m = tl.program_id(0)
     p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                                        # output rows
     nkb = K // 32
@@ -294,13 +321,21 @@ def _fp4_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, M, N, K, KB_SPLIT, GRO
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     kb0 = tl.program_id(2) * KB_SPLIT
     for kb in range(kb0, tl.minimum(kb0 + KB_SPLIT, nkb)):                          # 32-wide K blocks
-        a_at = A + rows[:, None].to(tl.int64) * K + kb * 32 + 2 * k16[None, :]         # k = 2j: the even k
-        a_even = _e4m3_decode(tl.load(a_at, mask=in_m[:, None], other=0), FNUZ).to(tl.float16)       # [BLOCK_M, 16]
-        a_odd = _e4m3_decode(tl.load(a_at + 1, mask=in_m[:, None], other=0), FNUZ).to(tl.float16)
         pairs = tl.load(B + cols[:, None].to(tl.int64) * (K // 2) + kb * 16 + k16[None, :], mask=in_n[:, None], other=0)
-        # byte j holds k = 2j (low nibble) and 2j + 1 (high): the even k against the low codes, the odd the high
-        partial = tl.dot(a_odd, tl.trans(_e2m1_f16(pairs >> 4)),
-                         tl.dot(a_even, tl.trans(_e2m1_f16(pairs & 0xF))))             # fp32 sums of exact products
+        a_at = A + rows[:, None].to(tl.int64) * K + kb * 32
+        if INT8:
+            # byte j holds k = 2j (low nibble) and 2j + 1 (high): joined back into k order, [BLOCK_N, 32]
+            w = tl.trans(tl.reshape(tl.join(_units(pairs & 0xF, 2, 1), _units(pairs >> 4, 2, 1)), (BLOCK_N, 32)).to(tl.int8))
+            a = _units(tl.load(a_at + tl.arange(0, 32)[None, :], mask=in_m[:, None], other=0), 4, 3)  # [BLOCK_M, 32]
+            exact = (tl.dot(_limb(a, 0), w, out_dtype=tl.int32) + 128 * tl.dot(_limb(a, 1), w, out_dtype=tl.int32)
+                     + 16384 * tl.dot(_limb(a, 2), w, out_dtype=tl.int32))                  # Σ a·2^9 · w·2, exact
+            partial = exact.to(tl.float32) * (2.0 ** -11 if FNUZ else 2.0 ** -10)        # one rounding, then exact
+        else:
+            a_even = _e4m3_decode(tl.load(a_at + 2 * k16[None, :], mask=in_m[:, None], other=0), FNUZ).to(tl.float16)
+            a_odd = _e4m3_decode(tl.load(a_at + 2 * k16[None, :] + 1, mask=in_m[:, None], other=0), FNUZ).to(tl.float16)
+            # byte j holds k = 2j (low nibble) and 2j + 1 (high): the even k against the low codes, the odd the high
+            partial = tl.dot(a_odd, tl.trans(_e2m1_f16(pairs >> 4)),
+                             tl.dot(a_even, tl.trans(_e2m1_f16(pairs & 0xF))))         # fp32 sums of exact products
         sa = tl.load(SA + rows * (K // 128) + (kb * 32) // 128, mask=in_m, other=0.0)
         sb = tl.load(SB + cols * (K // 32) + kb, mask=in_n, other=0.0)
         acc += (partial * sa[:, None]) * sb[None, :]                                     # as the reference, in order
@@ -308,10 +343,11 @@ def _fp4_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, M, N, K, KB_SPLIT, GRO
     tl.store(C + p[:, None].to(tl.int64) * N + cols[None, :], acc, mask=in_m[:, None] & in_n[None, :])
 
 
-def fp4_gemm(a, sa, packed, sb, fnuz=False):  # [M, K] e4m3, [M, K/128], [N, K/2] uint8, [N, K/32] -> [M, N] f32
-    """quant.fp4_gemm: a as torch float8 (or its uint8 bytes), packed the checkpoint's FP4 pairs. K is
-    split over programs where the output tiles alone would not fill the GPU (decode), the splits' fp32
-    partial sums added after (the reference adds the 32-wide blocks in order: within fp32 rounding)."""
+def fp4_gemm(a, sa, packed, sb, fnuz=False, int8=False):  # [M, K] e4m3, [M, K/128], [N, K/2] uint8, [N, K/32] -> [M, N] f32
+    """quant.fp4_gemm: a as torch float8 (or its uint8 bytes), packed the checkpoint's FP4 pairs; int8: the
+    int8 route (else fp16). K is split over programs where the output tiles alone would not fill the GPU
+    (decode), the splits' fp32 partial sums added after (the reference adds the 32-wide blocks in order:
+    within fp32 rounding; without a split the int8 route is the reference bit for bit)."""
     M, K = a.shape
     N = packed.shape[0]
     if K % 128 or packed.shape != (N, K // 2) or sa.shape != (M, K // 128) or sb.shape != (N, K // 32):
@@ -325,16 +361,58 @@ def fp4_gemm(a, sa, packed, sb, fnuz=False):  # [M, K] e4m3, [M, K/128], [N, K/2
     c = torch.empty(splits, M, N, dtype=torch.float32, device=a.device)
     _fp4_gemm_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), splits)](
         a.contiguous().view(torch.uint8), sa.float().contiguous(), packed.contiguous().view(torch.uint8),
-        sb.float().contiguous(), c, c, c, M, N, K, kb_split, GROUPED=False, FNUZ=fnuz, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, num_warps=4)
+        sb.float().contiguous(), c, c, c, M, N, K, kb_split, GROUPED=False, FNUZ=fnuz, INT8=bool(int8),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
     return c[0] if splits == 1 else c.sum(0)
 
 
-def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False):
+@triton.jit
+def _fp4_gemv_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, P, N, K, KT_SPLIT, BM: tl.constexpr, FNUZ: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """_fp4_gemm_kernel's GROUPED mode for decode, where a routed row block holds a row or two and the rest is
+    padding: no MMA (whose 16 rows would be mostly padding), one output row a program, the weights streamed
+    64 bytes (K = 128, one activation scale) a row per step through the CUDA cores, each 32-wide block's
+    partial an exact integer sum (the int8 route's integers) rounded once, the blocks added in order: bit
+    for bit the reference without a K split. Program (p, j, s) sums the K tiles [s KT_SPLIT, (s + 1) KT_SPLIT)
+    into C[s, p] (split K); a padding row (ROWS -1) does no work."""
+    p = tl.program_id(0)
+    row = tl.load(ROWS + p)
+    e = tl.load(BLOCK_EXPERT + p // BM)
+    live = tl.minimum(row, e) >= 0                                                     # a routed row of a used block
+    B += tl.maximum(e, 0).to(tl.int64) * N * (K // 2)
+    SB += tl.maximum(e, 0).to(tl.int64) * N * (K // 32)
+    A += tl.maximum(row, 0).to(tl.int64) * K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = cols < N
+    j = tl.arange(0, 64)                                                               # byte j: k = 2j, 2j + 1
+    blk = tl.arange(0, 4)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    kt0 = tl.program_id(2) * KT_SPLIT
+    kt1 = tl.where(live, tl.minimum(kt0 + KT_SPLIT, K // 128), kt0)
+    for kt in range(kt0, kt1):                                                         # 128-wide K tiles
+        pairs = tl.load(B + cols[:, None].to(tl.int64) * (K // 2) + kt * 64 + j[None, :], mask=in_n[:, None], other=0)
+        a_even = _units(tl.load(A + kt * 128 + 2 * j), 4, 3)                        # [64]: a · 2^9
+        a_odd = _units(tl.load(A + kt * 128 + 2 * j + 1), 4, 3)
+        terms = _units(pairs & 0xF, 2, 1) * a_even[None, :] + _units(pairs >> 4, 2, 1) * a_odd[None, :]   # [BLOCK_N, 64]
+        exact = tl.sum(tl.reshape(terms, (BLOCK_N, 4, 16)), axis=2)                   # [BLOCK_N, 4]: the 32-wide blocks
+        partial = exact.to(tl.float32) * (2.0 ** -11 if FNUZ else 2.0 ** -10)
+        sa = tl.load(SA + tl.maximum(row, 0) * (K // 128) + kt)
+        sb = tl.load(SB + cols[:, None] * (K // 32) + kt * 4 + blk[None, :], mask=in_n[:, None], other=0.0)
+        t = (partial * sa) * sb
+        for i in tl.static_range(4):                                                   # the blocks in order
+            acc += tl.sum(tl.where(blk[None, :] == i, t, 0.0), axis=1)
+    tl.store(C + (tl.program_id(2).to(tl.int64) * P + p) * N + cols, acc,
+             mask=in_n & (tl.zeros_like(cols) + tl.minimum(row, e) >= 0))             # (live, as a vector: the interpreter)
+
+
+def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False, gemv=None, int8=False):
     """The routed experts' FP4 GEMM, grouped as kernels_fp8.moe_gemm: a [R, K] e4m3, sa [R, K/128],
     packed [E, N, K/2] uint8, sb [E, N, K/32], rows [P] int32 (-1 padding), block_expert [P / 16] int32
-    (-1 unused) -> [P, N] float32 (padding rows unwritten). Reference: quant.fp4_gemm on each row
-    block's expert."""
+    (-1 unused) -> [P, N] float32 (padding rows: unspecified). Reference: quant.fp4_gemm on each row
+    block's expert. gemv (None: chosen from the shapes) picks _fp4_gemv_kernel, for decode: route() pads
+    each used expert to 16 rows, so P ~ pairs + 15 min(pairs, E), and P <= 17 E + 16 means at most about
+    two routed rows an expert, where the MMA's 16-row tiles would be mostly padding; else the MMA kernel,
+    int8: its int8 route (bit for bit the reference), else fp16."""
     R, K = a.shape
     E, N = packed.shape[:2]
     P = rows.shape[0]
@@ -343,11 +421,23 @@ def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False):
             or block_expert.shape != (P // BLOCK_M,):
         raise ValueError(f"fp4_moe_gemm: a {tuple(a.shape)}, weights {tuple(packed.shape)}, scales {tuple(sb.shape)}, "
                          f"rows {tuple(rows.shape)}, block_expert {tuple(block_expert.shape)} do not agree")
+    a, sa = a.contiguous().view(torch.uint8), sa.float().contiguous()
+    packed, sb = packed.contiguous().view(torch.uint8), sb.float().contiguous()
+    rows, block_expert = rows.to(torch.int32).contiguous(), block_expert.to(torch.int32).contiguous()
+    if gemv if gemv is not None else P <= 17 * E + 16:
+        used = min(P // BLOCK_M, E) * triton.cdiv(N, BLOCK_N)                     # programs with work, about
+        splits = max(1, min(triton.cdiv(4 * sm_count(a.device), used), K // 128 // 4))   # 4 tiles a split at least
+        kt_split = triton.cdiv(K // 128, splits)
+        splits = triton.cdiv(K // 128, kt_split)
+        c = torch.empty(splits, P, N, dtype=torch.float32, device=a.device)
+        _fp4_gemv_kernel[(P, triton.cdiv(N, BLOCK_N), splits)](
+            a, sa, packed, sb, c, rows, block_expert, P, N, K, kt_split, BM=BLOCK_M, FNUZ=fnuz, BLOCK_N=BLOCK_N,
+            num_warps=4)
+        return c[0] if splits == 1 else c.sum(0)
     c = torch.empty(P, N, dtype=torch.float32, device=a.device)
     _fp4_gemm_kernel[(P // BLOCK_M, triton.cdiv(N, BLOCK_N), 1)](
-        a.contiguous().view(torch.uint8), sa.float().contiguous(), packed.contiguous().view(torch.uint8),
-        sb.float().contiguous(), c, rows.to(torch.int32).contiguous(), block_expert.to(torch.int32).contiguous(),
-        P, N, K, K // 32, GROUPED=True, FNUZ=fnuz, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+        a, sa, packed, sb, c, rows, block_expert, P, N, K, K // 32, GROUPED=True, FNUZ=fnuz, INT8=bool(int8),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
     return c
 
 

@@ -11,9 +11,11 @@ plain torch formulation named in the row) and the measured rooflines, official n
     sparse_attention  64 heads of 512 against the window (128) + 512 picks (CSA), or + every complete window
                       of 128 (HCA); FLOPs 4 H c keys; bytes: the keys read (fp32); baseline: gather, einsum,
                       softmax with the sink, einsum in torch
-    fp4_moe_gemm      the routed experts' gate and up GEMM (6 of 256 experts a token, 4096 -> 2 x 2048): bytes:
-                      the routed experts' FP4 codes and scales; baseline: the routed experts held in bf16
-                      (dequantized at load, not timed: 4x the FP4 bytes), each one's tokens through torch.matmul
+    fp4_moe_gemm      the routed experts' gate and up GEMM (6 of 256 experts a token, 4096 -> 2 x 2048), each
+                      kernel: the decode GEMV (1 and 32 tokens), the MMA's fp16 and int8 routes (and 4096
+                      tokens, eager); bytes: the routed experts' FP4 codes and scales; baseline: the routed
+                      experts held in bf16 (dequantized at load, not timed: 4x the FP4 bytes), each one's
+                      tokens through torch.matmul
 
 Decode rows are replayed from a CUDA graph, prefill rows timed eagerly; the L2 flushed before every timed
 call (bench_gemm.timed). "of roofline": the larger of achieved FLOP/s over the measured bf16 peak and
@@ -143,7 +145,7 @@ def main():
     E, I, top = (256, 2048, 6) if not smoke else (8, 128, 2)
     W13 = torch.randint(0, 256, (E, 2 * I, d // 2), dtype=torch.uint8, device=dev, generator=gen)
     S13 = torch.full((E, 2 * I, d // 32), 2.0 ** -6, device=dev)
-    for B in (1, 32) if not smoke else (1, 4):
+    for B in (1, 32, 4096) if not smoke else (1, 4, 64):
         x = randn(B, d)
         idx = torch.stack([torch.randperm(E, device=dev, generator=gen)[:top] for _ in range(B)])
         rows_, _, be = backend_torch.route(idx, E, 16)
@@ -155,9 +157,11 @@ def main():
 
         def torch_experts():  # each routed expert's tokens through its bf16 weights (dequantized at load)
             return [xb[tokens[e]] @ dense[e].T for e in used]
-        row("fp4_moe_gemm (gate and up)", f"{B} token(s) x {top} of {E} experts, {d} -> 2 x {I}",
-            lambda: kernels_v4.fp4_moe_gemm(qx, sx, W13, S13, rows_, be), torch_experts, True,
-            flops=2 * B * top * 2 * I * d, nbytes=len(used) * 2 * I * (d // 2 + d // 32 * 4))
+        decode = B <= 32
+        for kernel in ("gemv", "mma fp16", "mma int8") if decode else ("mma fp16", "mma int8"):
+            row(f"fp4_moe_gemm (gate and up), {kernel}", f"{B} token(s) x {top} of {E} experts, {d} -> 2 x {I}",
+                lambda: kernels_v4.fp4_moe_gemm(qx, sx, W13, S13, rows_, be, gemv=kernel == "gemv", int8=kernel == "mma int8"),
+                torch_experts, decode, flops=2 * B * top * 2 * I * d, nbytes=len(used) * 2 * I * (d // 2 + d // 32 * 4))
         del dense
 
     bench_gemm.write_kernel_run(a.out, "v4_kernels.json", rows, smoke, render)

@@ -414,7 +414,8 @@ def test_v4_kernels_benchmark_script_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     kernels = {line.split(" | ")[0].lstrip("| ") for line in r.stdout.splitlines()[4:]}
     assert {"mHC pair (hc_mix_pre + hc_post)", "compress_keys (CSA, m=4)", "compress_keys (HCA, m=16)", "index_scores_v4",
-            "top-k (kernels_cuda.topk_indices)", "sparse_attention decode (CSA)", "fp4_moe_gemm (gate and up)"} <= kernels, kernels
+            "top-k (kernels_cuda.topk_indices)", "sparse_attention decode (CSA)", "fp4_moe_gemm (gate and up), gemv",
+            "fp4_moe_gemm (gate and up), mma fp16", "fp4_moe_gemm (gate and up), mma int8"} <= kernels, kernels
     assert (tmp_path / "v4_kernels.json").is_file()
 
 

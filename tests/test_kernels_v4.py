@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -92,13 +92,15 @@ def test_the_kernels_refuse_shapes_that_do_not_agree():
 
 @settings(max_examples=15, deadline=None)
 @given(st.integers(1, 40), st.integers(1, 150), st.integers(1, 8), st.floats(0.01, 100), st.integers(-12, 4),
-       st.booleans(), st.integers(0, 2 ** 31))
-def test_fp4_gemm_kernel(M, N, Kb, spread, e_lo, fnuz, seed):
+       st.booleans(), st.sampled_from(["fp16", "int8"]), st.integers(0, 2 ** 31))
+def test_fp4_gemm_kernel(M, N, Kb, spread, e_lo, fnuz, route, seed):
     # quant.fp4_gemm's promotion order (per 32-wide K block: partial x activation scale x weight scale); the
-    # kernel's fp32 sums of exact fp16 products may round a partial differently where it needs more than 24
-    # bits, and decode shapes split K over programs whose partial sums are added after: bounded by K/32 fp32
-    # roundings of the magnitudes' sum (2^-23 each). fnuz (gfx942): the same bytes read as e4m3fnuz are half
-    # the e4m3fn values, so the activation scales double (0x80, NaN there, is -0 here: mapped to +0)
+    # fp16 route's fp32 sums of exact products may round a partial differently where it needs more than 24
+    # bits (the int8 route's partials are exact), and decode shapes split K over programs whose partial sums
+    # are added after: bounded by K/32 fp32 roundings of the magnitudes' sum (2^-23 each). fnuz (gfx942): the
+    # same bytes read as e4m3fnuz are half the e4m3fn values, so the activation scales double (0x80, NaN
+    # there, is -0 here: mapped to +0). The int8 route through kernels_rocm's gfx90a dispatch
+    import kernels_rocm
     rng = np.random.default_rng(seed)
     K = 128 * Kb
     q, sa = quant.act_quant((rng.standard_normal((M, K)) * spread).astype(np.float32))
@@ -109,7 +111,11 @@ def test_fp4_gemm_kernel(M, N, Kb, spread, e_lo, fnuz, seed):
     sb = np.exp2(rng.integers(e_lo, e_lo + 6, (N, K // 32))).astype(np.float32)
     want = quant.fp4_gemm(q, sa, packed, sb)
     mag = quant.fp4_gemm((codes & 0x7F).view(quant.E4M3), sa, packed & 0x77, sb)          # sum of |terms|, a bound
-    got = kernels_v4.fp4_gemm(t(codes), t(sa * (2 if fnuz else 1)), t(packed), t(sb), fnuz=fnuz).cpu().numpy()
+    args = t(codes), t(sa * (2 if fnuz else 1)), t(packed), t(sb)
+    if route == "int8":
+        got = kernels_rocm.fp4_gemm(*args, fnuz=fnuz, arch="gfx90a").cpu().numpy()
+    else:
+        got = kernels_v4.fp4_gemm(*args, fnuz=fnuz).cpu().numpy()
     assert np.all(np.abs(got - want) <= (K // 32) * 2.0 ** -23 * mag)      # + the K splits' fp32 sum
 
 
@@ -244,23 +250,35 @@ def test_compress_keys_kernel(B, k, m, c, R, official, first, spread, seed):
         assert np.abs(got - want).max(initial=0) <= 1e-5 * max(1.0, np.abs(want).max(initial=0))
 
 
-@settings(max_examples=10, deadline=None)
-@given(st.integers(1, 12), st.integers(1, 5), st.integers(1, 3), st.integers(1, 100), st.integers(1, 3), st.integers(0, 2 ** 31))
-def test_fp4_moe_gemm_kernel(M, E, Kt, N, Kb, seed):
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 5), st.integers(1, 3), st.integers(1, 100), st.integers(1, 3),
+       st.sampled_from(["mma fp16", "mma int8", "gemv"]), st.booleans(), st.integers(0, 2 ** 31))
+@example(12, 4, 3, 64, 3, "gemv", False, 1).via("the blocks' order matters in about 1% of the outputs here")
+@example(12, 4, 3, 64, 3, "mma int8", True, 1).via("as for the GEMV")
+def test_fp4_moe_gemm_kernel(M, E, Kt, N, Kb, kernel, fnuz, seed):
     # the routed experts' grouped FP4 GEMM: each routed (token, expert) pair's row through its expert, rows
-    # gathered and padded by backend_torch.route as for the FP8 experts; against quant.fp4_gemm per pair
+    # gathered and padded by backend_torch.route as for the FP8 experts; against quant.fp4_gemm per pair.
+    # The int8 route and the decode GEMV sum each block's exact integers and add the blocks in order: bit for
+    # bit (no K split below K = 512); the fp16 route within the K/32 fp32 roundings of test_fp4_gemm_kernel
     import backend_torch
     rng = np.random.default_rng(seed)
     K, Kt = 128 * Kb, min(Kt, E)
-    q, sa = quant.act_quant(rng.standard_normal((M, K)).astype(np.float32))
+    q, sa = quant.act_quant(rng.standard_normal((M, K)).astype(np.float32) * rng.choice([0.01, 1, 100], (M, 1)))
+    codes = np.array(q.view(np.uint8))
+    codes[codes == 0x80] = 0                                                        # (NaN in e4m3fnuz)
+    q = codes.view(quant.E4M3)
     packed = rng.integers(0, 256, (E, N, K // 2)).astype(np.uint8)
-    sb = np.exp2(rng.integers(-8, -2, (E, N, K // 32))).astype(np.float32)
+    sb = np.exp2(rng.integers(-12, 0, (E, N, K // 32))).astype(np.float32)
     idx = np.argsort(rng.random((M, E)), 1)[:, :Kt]                                  # distinct experts per token
     rows, pair_at, block_expert = backend_torch.route(t(idx), E, 16)
-    got = kernels_v4.fp4_moe_gemm(t(np.array(q.view(np.uint8))), t(sa), t(packed), t(sb), rows, block_expert).cpu().numpy()
+    got = kernels_v4.fp4_moe_gemm(t(codes), t(sa * (2 if fnuz else 1)), t(packed), t(sb), rows, block_expert, fnuz=fnuz,
+                                  gemv=kernel == "gemv", int8=kernel == "mma int8").cpu().numpy()
     rows, pair_at = rows.cpu().numpy(), pair_at.cpu().numpy()
     for p in np.nonzero(rows >= 0)[0]:
         m, e = rows[p], idx.reshape(-1)[pair_at[p]]
         want = quant.fp4_gemm(q[m:m + 1], sa[m:m + 1], packed[e], sb[e])[0]
-        mag = quant.fp4_gemm((np.array(q[m:m + 1].view(np.uint8)) & 0x7F).view(quant.E4M3), sa[m:m + 1], packed[e] & 0x77, sb[e])[0]
-        assert np.all(np.abs(got[p] - want) <= (K // 32) * 2.0 ** -23 * mag), (p, m, e)
+        if kernel == "mma fp16":
+            mag = quant.fp4_gemm((codes[m:m + 1] & 0x7F).view(quant.E4M3), sa[m:m + 1], packed[e] & 0x77, sb[e])[0]
+            assert np.all(np.abs(got[p] - want) <= (K // 32) * 2.0 ** -23 * mag), (p, m, e)
+        else:
+            np.testing.assert_array_equal(got[p], want, err_msg=f"row {p}: token {m}, expert {e}")
