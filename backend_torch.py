@@ -159,9 +159,18 @@ def zeros(shape, fp8, *, device, kern=None):  # cache storage; FP8 keys in this 
 # -----------------------------------------------------------------------------
 # Norms and RoPE (attention.rms_norm_ref, indexer.layer_norm_ref, rope.py)
 
-def rms_norm(x, w, eps, rnd):  # attention.rms_norm_ref
+def rms_norm(x, w, eps, rnd, *, kern=None):  # attention.rms_norm_ref
+    official = _rounding(rnd)
+    if kern is not None and official is not None and x.dtype == torch.float32 and x.shape[-1] <= 16384:
+        return kern.rms_norm(x, w, eps, official)                       # one launch instead of seven
     x = x.float()
     return rnd(w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)))
+
+
+def _rounding(rnd):  # an op table's rounding -> True (bf16_round), False (no_round), None (another function)
+    if rnd is no_round:
+        return False
+    return True if rnd is bf16_round or getattr(rnd, "func", None) is bf16_round else None
 
 
 def layer_norm(x, w, b, eps=1e-6):  # indexer.layer_norm_ref
@@ -608,7 +617,10 @@ def hc_head(X, fn, base, scale, args, official=False, *, kern=None):  # mhc.hc_h
     return hc_pre(X, pre, partial(bf16_round, kern=kern) if official else no_round)
 
 
-def v4_norm(x, w, eps, rnd=no_round):  # compressor.rms_norm: x * rsqrt(mean(x²) + eps), weighted
+def v4_norm(x, w, eps, rnd=no_round, *, kern=None):  # compressor.rms_norm: x * rsqrt(mean(x²) + eps), weighted
+    official = _rounding(rnd)
+    if kern is not None and official is not None and x.dtype == torch.float32 and x.shape[-1] <= 16384:
+        return kern.rms_norm(x, w, eps, official, recip=True)
     x = x.float()
     y = x * (1 / torch.sqrt(f64(lambda v: (v * v).mean(-1, keepdim=True), x) + eps))
     return rnd(y if w is None else w * y)
@@ -767,15 +779,15 @@ def query_key(x, p, cos, sin, args, official, kern=None):  # -> c^Q [B, T, d_c],
     B, T, _ = x.shape
     H, c, R, eps = args.num_attention_heads, args.head_dim, args.qk_rope_head_dim, args.rms_norm_eps
     rnd = bf16_round if official else no_round
-    qr = v4_norm(lin(x, p["wq_a"], official), p["q_norm"], eps, rnd)
+    qr = v4_norm(lin(x, p["wq_a"], official), p["q_norm"], eps, rnd, kern=kern)
     q = lin(qr, p["wq_b"], official).reshape(B, T, H, c)
     if official:                                        # attention_v4.rms_norm_bf16: every step in bf16
         ms = bf16_round(f64(lambda v: v.mean(-1, keepdim=True), bf16_round(q * q)))
         q = bf16_round(q * bf16_round(1 / torch.sqrt(bf16_round(ms + eps))))
     else:
-        q = v4_norm(q, None, eps)
+        q = v4_norm(q, None, eps, kern=kern)
     q = rnd(rope_tail(q, cos, sin))
-    kv = v4_norm(lin(x, p["wkv"], official), p["kv_norm"], eps, rnd)
+    kv = v4_norm(lin(x, p["wkv"], official), p["kv_norm"], eps, rnd, kern=kern)
     kv = rnd(rope_tail(kv[:, :, None], cos, sin)[:, :, 0])
     return qr, q, kv_fp8(kv, R) if official else kv
 
@@ -987,7 +999,7 @@ def routed_v4(x, p, idx, w, args, official, e0=0, *, kern=None, v4k=None):
     rows_self = torch.where(rows >= 0, torch.arange(rows.shape[0], device=x.device, dtype=torch.int32), -1)
     o = gemm(*act_quant(bf16_round(y), kern=kern), W2, rows_self)                   # [P, d]
     out = torch.zeros(M * Kt + 1, x.shape[1], device=x.device).index_copy_(0, pair_at, o)   # padding -> the trash row
-    return out[:M * Kt].view(M, Kt, -1)
+    return torch.where(held[..., None], out[:M * Kt].view(M, Kt, -1), 0.0)         # another rank's pairs: 0
 
 
 # -----------------------------------------------------------------------------
@@ -1008,7 +1020,7 @@ def torch_ops(device, kernels=True, dsa=None, v4=None):
         bf16_round=partial(bf16_round, **K), no_round=no_round,
         act_quant=partial(act_quant, **K), act_dequant=act_dequant, dequant=dequant,
         linear=partial(linear, **K), linears=partial(linears, **K),
-        rms_norm=rms_norm, layer_norm=layer_norm,
+        rms_norm=partial(rms_norm, **K), layer_norm=layer_norm,
         rope_interleaved=partial(rope_interleaved, **K), rope_half_split=partial(rope_half_split, **K),
         rotate_activation=rotate_activation, head_weights=head_weights, index_scores=index_scores,
         topk_select=topk_select, select=partial(select, dsa=dsa),
@@ -1030,7 +1042,7 @@ def torch_ops(device, kernels=True, dsa=None, v4=None):
         latent_attention=partial(latent_attention, dsa=dsa, **K) if dsa else None,
         selection_mask=selection_mask if dsa else None,
         hc_mix_pre=partial(hc_mix_pre, **V), hc_post=partial(hc_post, **V), hc_head=partial(hc_head, **K),
-        v4_norm=v4_norm, v4_attention=partial(attention_v4, **V, **K),
+        v4_norm=partial(v4_norm, **K), v4_attention=partial(attention_v4, **V, **K),
         v4_attention_step=partial(attention_v4_step, **V, **K) if v4 else None, v4_moe=partial(moe_v4, **V, **K),
         v4_experts=partial(experts, device=device, **K) if v4 else None,
         matmul_f32=matmul_f32,

@@ -1,5 +1,5 @@
 """Triton kernels for the number formats and GEMMs of the fast path: FP8 quantisation, the block-scaled
-FP8 GEMM and its grouped form for the routed experts, and bf16 rounding. kernels_cuda.py, the entry
+FP8 GEMM and its grouped form for the routed experts, bf16 rounding and RMSNorm. kernels_cuda.py, the entry
 point, re-exports them beside the DSA kernels, which use the jit helpers _e4m3_decode, _ue8m0_quant and
 _bf16_round from here.
 
@@ -11,6 +11,8 @@ _bf16_round from here.
                 rows gathered by index, one expert per 16-row block   reference: quant.fp8_gemm per expert
     bf16_round  float32 -> the nearest bf16 values (from the bits), elementwise glue in one launch
                                                                   reference: quant.bf16_round
+    rms_norm    a row's RMSNorm, weighted, bf16-rounded in official numerics, one launch instead of a
+                chain of torch kernels       reference: attention.rms_norm_ref (V3.2), compressor.rms_norm (V4)
 
 Every kernel is shared with kernels_rocm.py: what differs by architecture (the FP8 flavour and its
 maximum, whether FP8 is decoded by hand, tile sizes) arrives as constexpr arguments and wrapper data.
@@ -327,4 +329,38 @@ def bf16_round(x):  # float32 tensor -> the nearest bf16 values, as float32 (qua
     x = x.contiguous()
     y = torch.empty_like(x)
     _bf16_round_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096, num_warps=4)
+    return y
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, D, eps, HAS_W: tl.constexpr, RECIP: tl.constexpr, ROUND: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    d = tl.arange(0, BLOCK)
+    at = tl.program_id(0).to(tl.int64) * D + d
+    x = tl.load(X + at, mask=d < D, other=0.0)
+    rms = tl.sqrt_rn(tl.div_rn(tl.sum(x * x, 0), D * 1.0) + eps)                      # sqrt(mean(x²) + eps)
+    y = x * tl.div_rn(1.0, rms) if RECIP else tl.div_rn(x, rms)
+    if HAS_W:
+        y = tl.load(W + d, mask=d < D, other=0.0) * y
+    if ROUND:
+        y = _bf16_round(y)
+    tl.store(Y + at, y, mask=d < D)
+
+
+def rms_norm(x, w, eps, official, recip=False):  # [..., D] float32, [D] or None -> [..., D] float32, one launch
+    """RMSNorm of each row in the reference's fp32 steps (IEEE division and square root), w times
+    x / rms (attention.rms_norm_ref, V3.2) or, recip, w times x · (1 / rms) (compressor.rms_norm, V4),
+    rounded to bf16 in official numerics. The sum of squares is a tree, not the reference's order:
+    within an ulp or so of it, not bit for bit (tests/test_kernels.py states the bound)."""
+    D = x.shape[-1]
+    if x.dtype != torch.float32 or (w is not None and w.shape != (D,)) or D > 16384:
+        raise ValueError(f"rms_norm: float32 rows of at most 16384 and a weight of their width expected, got "
+                         f"{x.dtype} {tuple(x.shape)}, weight {None if w is None else tuple(w.shape)}")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if x.numel():
+        BLOCK = triton.next_power_of_2(D)
+        _rms_norm_kernel[(x.numel() // D,)](x, x if w is None else w.float().contiguous(), y, D, float(eps),
+                                            HAS_W=w is not None, RECIP=bool(recip), ROUND=bool(official), BLOCK=BLOCK,
+                                            num_warps=max(1, min(8, BLOCK // 1024)))
     return y

@@ -74,16 +74,22 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, arch=None):
                        fnuz=cfg["fnuz"])
 
 
-rope, bf16_round = _k.rope, _k.bf16_round     # fp32 elementwise: nothing differs by architecture
+rope, bf16_round, rms_norm = _k.rope, _k.bf16_round, _k.rms_norm     # fp32: nothing differs by architecture
 
 
-def fp4_gemm(a, sa, packed, sb, fnuz=False, arch=None, route=None):  # route: "int8" or "fp16" (default: the arch's)
-    return _v4.fp4_gemm(a, sa, packed, sb, fnuz=fnuz, int8=(route or ARCHS[arch or current_arch()]["fp4"]) == "int8")
+def _int8_route(route, arch):  # route "int8", "fp16" or None (the architecture's) -> int8?
+    route = route or ARCHS[arch or current_arch()]["fp4"]
+    if route not in ("int8", "fp16"):
+        raise ValueError(f"FP4 GEMM route {route!r}: int8 or fp16")
+    return route == "int8"
+
+
+def fp4_gemm(a, sa, packed, sb, fnuz=False, arch=None, route=None):
+    return _v4.fp4_gemm(a, sa, packed, sb, fnuz=fnuz, int8=_int8_route(route, arch))
 
 
 def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False, gemv=None, arch=None, route=None):
-    return _v4.fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=fnuz, gemv=gemv,
-                            int8=(route or ARCHS[arch or current_arch()]["fp4"]) == "int8")
+    return _v4.fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=fnuz, gemv=gemv, int8=_int8_route(route, arch))
 
 
 def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, arch=None):

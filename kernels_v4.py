@@ -261,7 +261,8 @@ def compress_keys(rows, Cp, Zp, norm, cos, sin, eps, m, overlap, official=False)
 #          goes into the scale; an e4m3 activation is an integer times 2^-9 (e4m3fnuz: 2^-10) of at most
 #          18 bits, split into three signed 7-bit limbs, so three INT8 MMAs give the partial as an exact
 #          int32 (|sum| < 2^18 · 12 · 32 < 2^28), rounded once to fp32: bit for bit the reference's partial
-# The decode GEMV (_fp4_gemv_kernel) sums the same integers on the CUDA cores, exact on every GPU.
+# The decode GEMV (_fp4_gemv_kernel) sums the same integers on the CUDA cores, exact on every GPU. Where
+# K is split over programs (decode), the splits' sums are added after: within fp32 rounding, not bit for bit.
 
 @triton.jit
 def _e2m1_f16(code):
@@ -275,11 +276,11 @@ def _e2m1_f16(code):
 
 
 @triton.jit
-def _units(code, E: tl.constexpr, M: tl.constexpr):
-    """A sign | E exponent bits | M mantissa bits code (no inf, NaN not kept) -> its value in units of the
-    format's smallest subnormal, an integer: m for e = 0, (2^M + m) << (e - 1) otherwise. e2m1 (E 2, M 1):
-    twice the value, 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12; e4m3 (E 4, M 3): the value · 2^9 (e4m3fnuz: · 2^10),
-    |.| < 2^18 (act_quant writes no NaN code)."""
+def _subnormal_units(code, E: tl.constexpr, M: tl.constexpr):
+    """A sign | E exponent bits | M mantissa bits code -> its value in units of the format's smallest
+    subnormal, an integer: m for e = 0, (2^M + m) << (e - 1) otherwise. e2m1 (E 2, M 1): twice the value,
+    0, ±1, ±2, ±3, ±4, ±6, ±8, ±12; e4m3 (E 4, M 3): the value · 2^9 (e4m3fnuz: · 2^10), |.| < 2^18. A NaN
+    code has no integer and comes out as a number (act_quant writes none)."""
     c = code.to(tl.int32)
     e = (c >> M) & ((1 << E) - 1)
     m = c & ((1 << M) - 1)
@@ -325,8 +326,8 @@ def _fp4_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, M, N, K, KB_SPLIT, GRO
         a_at = A + rows[:, None].to(tl.int64) * K + kb * 32
         if INT8:
             # byte j holds k = 2j (low nibble) and 2j + 1 (high): joined back into k order, [BLOCK_N, 32]
-            w = tl.trans(tl.reshape(tl.join(_units(pairs & 0xF, 2, 1), _units(pairs >> 4, 2, 1)), (BLOCK_N, 32)).to(tl.int8))
-            a = _units(tl.load(a_at + tl.arange(0, 32)[None, :], mask=in_m[:, None], other=0), 4, 3)  # [BLOCK_M, 32]
+            w = tl.trans(tl.reshape(tl.join(_subnormal_units(pairs & 0xF, 2, 1), _subnormal_units(pairs >> 4, 2, 1)), (BLOCK_N, 32)).to(tl.int8))
+            a = _subnormal_units(tl.load(a_at + tl.arange(0, 32)[None, :], mask=in_m[:, None], other=0), 4, 3)  # [BLOCK_M, 32]
             exact = (tl.dot(_limb(a, 0), w, out_dtype=tl.int32) + 128 * tl.dot(_limb(a, 1), w, out_dtype=tl.int32)
                      + 16384 * tl.dot(_limb(a, 2), w, out_dtype=tl.int32))                  # Σ a·2^9 · w·2, exact
             partial = exact.to(tl.float32) * (2.0 ** -11 if FNUZ else 2.0 ** -10)        # one rounding, then exact
@@ -346,8 +347,9 @@ def _fp4_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, M, N, K, KB_SPLIT, GRO
 def fp4_gemm(a, sa, packed, sb, fnuz=False, int8=False):  # [M, K] e4m3, [M, K/128], [N, K/2] uint8, [N, K/32] -> [M, N] f32
     """quant.fp4_gemm: a as torch float8 (or its uint8 bytes), packed the checkpoint's FP4 pairs; int8: the
     int8 route (else fp16). K is split over programs where the output tiles alone would not fill the GPU
-    (decode), the splits' fp32 partial sums added after (the reference adds the 32-wide blocks in order:
-    within fp32 rounding; without a split the int8 route is the reference bit for bit)."""
+    (decode; never below 8 blocks of 32 a split), the splits' fp32 partial sums added after (the reference
+    adds the 32-wide blocks in order: within fp32 rounding). Without a split the int8 route is the
+    reference bit for bit."""
     M, K = a.shape
     N = packed.shape[0]
     if K % 128 or packed.shape != (N, K // 2) or sa.shape != (M, K // 128) or sb.shape != (N, K // 32):
@@ -367,7 +369,7 @@ def fp4_gemm(a, sa, packed, sb, fnuz=False, int8=False):  # [M, K] e4m3, [M, K/1
 
 
 @triton.jit
-def _fp4_gemv_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, P, N, K, KT_SPLIT, BM: tl.constexpr, FNUZ: tl.constexpr,
+def _fp4_gemv_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, P, N, K, KT_SPLIT, BLOCK_M: tl.constexpr, FNUZ: tl.constexpr,
                      BLOCK_N: tl.constexpr):
     """_fp4_gemm_kernel's GROUPED mode for decode, where a routed row block holds a row or two and the rest is
     padding: no MMA (whose 16 rows would be mostly padding), one output row a program, the weights streamed
@@ -377,7 +379,7 @@ def _fp4_gemv_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, P, N, K, KT_SPLIT, BM:
     into C[s, p] (split K); a padding row (ROWS -1) does no work."""
     p = tl.program_id(0)
     row = tl.load(ROWS + p)
-    e = tl.load(BLOCK_EXPERT + p // BM)
+    e = tl.load(BLOCK_EXPERT + p // BLOCK_M)
     live = tl.minimum(row, e) >= 0                                                     # a routed row of a used block
     B += tl.maximum(e, 0).to(tl.int64) * N * (K // 2)
     SB += tl.maximum(e, 0).to(tl.int64) * N * (K // 32)
@@ -391,9 +393,9 @@ def _fp4_gemv_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, P, N, K, KT_SPLIT, BM:
     kt1 = tl.where(live, tl.minimum(kt0 + KT_SPLIT, K // 128), kt0)
     for kt in range(kt0, kt1):                                                         # 128-wide K tiles
         pairs = tl.load(B + cols[:, None].to(tl.int64) * (K // 2) + kt * 64 + j[None, :], mask=in_n[:, None], other=0)
-        a_even = _units(tl.load(A + kt * 128 + 2 * j), 4, 3)                        # [64]: a · 2^9
-        a_odd = _units(tl.load(A + kt * 128 + 2 * j + 1), 4, 3)
-        terms = _units(pairs & 0xF, 2, 1) * a_even[None, :] + _units(pairs >> 4, 2, 1) * a_odd[None, :]   # [BLOCK_N, 64]
+        a_even = _subnormal_units(tl.load(A + kt * 128 + 2 * j), 4, 3)                        # [64]: a · 2^9
+        a_odd = _subnormal_units(tl.load(A + kt * 128 + 2 * j + 1), 4, 3)
+        terms = _subnormal_units(pairs & 0xF, 2, 1) * a_even[None, :] + _subnormal_units(pairs >> 4, 2, 1) * a_odd[None, :]   # [BLOCK_N, 64]
         exact = tl.sum(tl.reshape(terms, (BLOCK_N, 4, 16)), axis=2)                   # [BLOCK_N, 4]: the 32-wide blocks
         partial = exact.to(tl.float32) * (2.0 ** -11 if FNUZ else 2.0 ** -10)
         sa = tl.load(SA + tl.maximum(row, 0) * (K // 128) + kt)
@@ -401,18 +403,22 @@ def _fp4_gemv_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, P, N, K, KT_SPLIT, BM:
         t = (partial * sa) * sb
         for i in tl.static_range(4):                                                   # the blocks in order
             acc += tl.sum(tl.where(blk[None, :] == i, t, 0.0), axis=1)
-    tl.store(C + (tl.program_id(2).to(tl.int64) * P + p) * N + cols, acc,
-             mask=in_n & (tl.zeros_like(cols) + tl.minimum(row, e) >= 0))             # (live, as a vector: the interpreter)
+    # a routed row of an unused block (an expert on another rank) gets zeros, as from the MMA kernel; the
+    # row test as a vector (the interpreter takes no scalar mask)
+    tl.store(C + (tl.program_id(2).to(tl.int64) * P + p) * N + cols, acc, mask=in_n & (tl.zeros_like(cols) + row >= 0))
 
 
 def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False, gemv=None, int8=False):
     """The routed experts' FP4 GEMM, grouped as kernels_fp8.moe_gemm: a [R, K] e4m3, sa [R, K/128],
     packed [E, N, K/2] uint8, sb [E, N, K/32], rows [P] int32 (-1 padding), block_expert [P / 16] int32
-    (-1 unused) -> [P, N] float32 (padding rows: unspecified). Reference: quant.fp4_gemm on each row
-    block's expert. gemv (None: chosen from the shapes) picks _fp4_gemv_kernel, for decode: route() pads
-    each used expert to 16 rows, so P ~ pairs + 15 min(pairs, E), and P <= 17 E + 16 means at most about
-    two routed rows an expert, where the MMA's 16-row tiles would be mostly padding; else the MMA kernel,
-    int8: its int8 route (bit for bit the reference), else fp16."""
+    (-1 unused) -> [P, N] float32 (padding rows: unspecified; a routed row of an unused block: 0).
+    Reference: quant.fp4_gemm on each row block's expert. gemv (None: chosen from the shapes) picks
+    _fp4_gemv_kernel, for decode: route() pads each used expert to 16 rows, so P = pairs + 15 min(pairs, E)
+    rounded up, and P <= 16 E + 16 means about one routed row an expert, where the MMA's 16-row tiles would
+    be mostly padding (measured at 1 and 32 tokens of V4-Flash: 176 against 255 us, 3.9 against 4.7 ms;
+    the crossover, from those costs a row and an expert, near 1.2 E pairs). Otherwise the MMA kernel, int8:
+    its int8 route, else fp16. The GEMV and the int8 route are bit for bit the reference where K is not
+    split (the MMA kernel never splits it here; the GEMV does for decode's few rows at K >= 512)."""
     R, K = a.shape
     E, N = packed.shape[:2]
     P = rows.shape[0]
@@ -424,14 +430,15 @@ def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False, gemv=None, i
     a, sa = a.contiguous().view(torch.uint8), sa.float().contiguous()
     packed, sb = packed.contiguous().view(torch.uint8), sb.float().contiguous()
     rows, block_expert = rows.to(torch.int32).contiguous(), block_expert.to(torch.int32).contiguous()
-    if gemv if gemv is not None else P <= 17 * E + 16:
+    use_gemv = P <= 16 * E + 16 if gemv is None else gemv
+    if use_gemv:
         used = min(P // BLOCK_M, E) * triton.cdiv(N, BLOCK_N)                     # programs with work, about
         splits = max(1, min(triton.cdiv(4 * sm_count(a.device), used), K // 128 // 4))   # 4 tiles a split at least
         kt_split = triton.cdiv(K // 128, splits)
         splits = triton.cdiv(K // 128, kt_split)
         c = torch.empty(splits, P, N, dtype=torch.float32, device=a.device)
         _fp4_gemv_kernel[(P, triton.cdiv(N, BLOCK_N), splits)](
-            a, sa, packed, sb, c, rows, block_expert, P, N, K, kt_split, BM=BLOCK_M, FNUZ=fnuz, BLOCK_N=BLOCK_N,
+            a, sa, packed, sb, c, rows, block_expert, P, N, K, kt_split, BLOCK_M=BLOCK_M, FNUZ=fnuz, BLOCK_N=BLOCK_N,
             num_warps=4)
         return c[0] if splits == 1 else c.sum(0)
     c = torch.empty(P, N, dtype=torch.float32, device=a.device)

@@ -464,6 +464,33 @@ def test_index_prep_kernel(B, T, J, dims, start_pos, e, seed):
     assert not ks.cpu()[~written].any() and not k8.cpu().view(torch.uint8)[~written].any()
 
 
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 700), st.sampled_from(["v3.2", "v4", "v4 unweighted"]), st.booleans(),
+       st.floats(-14, 8), st.integers(0, 2 ** 31))
+def test_rms_norm_kernel(M, D, form, official, log_scale, seed):
+    """RMSNorm in one launch against both references: V3.2's w x / rms and V4's w x (1 / rms), eps
+    mattering where the rows are small. The kernel's sum of squares is a tree: each sum's relative error
+    is under (D - 1) 2^-24 (positive terms), so the two results differ by under (D + 3) 2^-24 relative
+    before rounding, and by at most one bf16 step after it (official numerics)."""
+    import attention
+    import compressor
+    from helpers import assert_bf16_close
+    rng = np.random.default_rng(seed)
+    x = quant.bf16_round((rng.standard_normal((M, D)) * 2.0 ** log_scale).astype(np.float32))
+    w = None if form == "v4 unweighted" else quant.bf16_round((1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
+    rnd = quant.bf16_round if official else quant.no_round
+    ref = attention.rms_norm_ref if form == "v3.2" else compressor.rms_norm
+    want = ref(x, w, 1e-6, rnd)
+    got = kernels_cuda.rms_norm(torch.from_numpy(x).to(DEV), None if w is None else torch.from_numpy(w).to(DEV), 1e-6,
+                                official, recip=form != "v3.2").cpu().numpy()
+    if official:
+        assert_bf16_close(got, want, ulps=1, what="rms_norm")
+    else:
+        assert np.all(np.abs(got - want) <= (D + 3) * 2.0 ** -24 * np.abs(want))
+    with pytest.raises(ValueError, match="rms_norm"):
+        kernels_cuda.rms_norm(torch.from_numpy(x).to(DEV), torch.ones(D + 1, device=DEV), 1e-6, official)
+
+
 @settings(max_examples=8, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 5), st.integers(1, 9), st.sampled_from([16, 64]), st.booleans(), st.booleans(),
        st.integers(0, 2 ** 31))

@@ -117,6 +117,30 @@ def test_fp4_gemm_kernel(M, N, Kb, spread, e_lo, fnuz, route, seed):
     else:
         got = kernels_v4.fp4_gemm(*args, fnuz=fnuz).cpu().numpy()
     assert np.all(np.abs(got - want) <= (K // 32) * 2.0 ** -23 * mag)      # + the K splits' fp32 sum
+    if route == "int8" and Kb == 1:                                         # 4 blocks: never split (8 at least a split)
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="route"):
+        kernels_rocm.fp4_gemm(*args, arch="gfx90a", route="int4")
+
+
+def test_fp4_exact_routes_on_extreme_codes():
+    # the int8 route's and the GEMV's partials are exact integers: on codes at the ends of both formats (448,
+    # its neighbours, subnormals, both signs; e2m1's 6, 0.5, -0) some 32-wide partial sums need more than 24
+    # bits, where an fp32 sum of the same products (the fp16 route's MMA) may round: the exact kernels may not
+    import backend_torch
+    rng = np.random.default_rng(5)
+    M, N, K = 16, 64, 128
+    codes = rng.choice(np.array([0x7E, 0xFE, 0x7D, 0xFD, 0x01, 0x81, 0x03, 0x83, 0x09], np.uint8), (M, K))
+    packed = rng.choice(np.array([0x77, 0xF7, 0x7F, 0x71, 0x17, 0x97, 0x79, 0x11], np.uint8), (N, K // 2))
+    sa, sb = np.ones((M, 1), np.float32), np.ones((N, K // 32), np.float32)
+    want = quant.fp4_gemm(codes.view(quant.E4M3), sa, packed, sb)
+    got = kernels_v4.fp4_gemm(t(codes), t(sa), t(packed), t(sb), int8=True).cpu().numpy()
+    np.testing.assert_array_equal(got, want)
+    rows, _, be = backend_torch.route(t(np.zeros((M, 1), np.int64)), 1, 16)        # every token to the one expert
+    for gemv in (True, False):
+        got = kernels_v4.fp4_moe_gemm(t(codes), t(sa), t(packed)[None], t(sb)[None], rows, be, gemv=gemv,
+                                      int8=True).cpu().numpy()
+        np.testing.assert_array_equal(got[:M], want, err_msg="gemv" if gemv else "mma int8")
 
 
 def draw_sparse(rng, B, T, H, c, P, n, K, official):  # q, window and compressed keys, keys listed and dense
@@ -251,7 +275,7 @@ def test_compress_keys_kernel(B, k, m, c, R, official, first, spread, seed):
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.integers(1, 12), st.integers(1, 5), st.integers(1, 3), st.integers(1, 100), st.integers(1, 3),
+@given(st.integers(1, 12), st.integers(1, 5), st.integers(1, 3), st.integers(1, 100), st.integers(1, 8),
        st.sampled_from(["mma fp16", "mma int8", "gemv"]), st.booleans(), st.integers(0, 2 ** 31))
 @example(12, 4, 3, 64, 3, "gemv", False, 1).via("the blocks' order matters in about 1% of the outputs here")
 @example(12, 4, 3, 64, 3, "mma int8", True, 1).via("as for the GEMV")
@@ -259,7 +283,8 @@ def test_fp4_moe_gemm_kernel(M, E, Kt, N, Kb, kernel, fnuz, seed):
     # the routed experts' grouped FP4 GEMM: each routed (token, expert) pair's row through its expert, rows
     # gathered and padded by backend_torch.route as for the FP8 experts; against quant.fp4_gemm per pair.
     # The int8 route and the decode GEMV sum each block's exact integers and add the blocks in order: bit for
-    # bit (no K split below K = 512); the fp16 route within the K/32 fp32 roundings of test_fp4_gemm_kernel
+    # bit where K is not split (the MMA kernel never splits it; the GEMV not below K = 512: 4 tiles of 128 at
+    # least a split); the fp16 route and a split GEMV within the K/32 fp32 roundings of test_fp4_gemm_kernel
     import backend_torch
     rng = np.random.default_rng(seed)
     K, Kt = 128 * Kb, min(Kt, E)
@@ -277,7 +302,7 @@ def test_fp4_moe_gemm_kernel(M, E, Kt, N, Kb, kernel, fnuz, seed):
     for p in np.nonzero(rows >= 0)[0]:
         m, e = rows[p], idx.reshape(-1)[pair_at[p]]
         want = quant.fp4_gemm(q[m:m + 1], sa[m:m + 1], packed[e], sb[e])[0]
-        if kernel == "mma fp16":
+        if kernel == "mma fp16" or (kernel == "gemv" and K >= 512):
             mag = quant.fp4_gemm((codes[m:m + 1] & 0x7F).view(quant.E4M3), sa[m:m + 1], packed[e] & 0x77, sb[e])[0]
             assert np.all(np.abs(got[p] - want) <= (K // 32) * 2.0 ** -23 * mag), (p, m, e)
         else:

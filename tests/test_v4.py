@@ -642,19 +642,26 @@ def test_experts_reencoded_to_fp8_at_load(tiny_v4, monkeypatch):
         Transformer.from_pretrained(v32, experts="fp8")
 
 
-def test_grouped_experts_of_one_rank(tiny_v4):
+@pytest.mark.parametrize("experts", ["fp4", "fp8"])
+@pytest.mark.parametrize("M", [2, 9])
+def test_grouped_experts_of_one_rank(tiny_v4, M, experts, monkeypatch):
     # the stacked experts' grouped path (official numerics, kernels_v4 / kernels_fp8 in the interpreter here) with
-    # only experts 4..7 held (parallel.py's expert range): their pairs' outputs as with all 8, the others zero
+    # only experts 4..7 held (parallel.py's expert range): their pairs' outputs as with all 8, the others zero.
+    # M = 2: few pairs (FP4: the decode GEMV); M = 9: the MMA kernel; FP8: the experts re-encoded at load, through
+    # kernels_fp8.moe_gemm. Fresh buffers hold NaN, so a row left unwritten shows
     import backend_torch
     import kernels_cuda                                                           # the V4 kernels (GPU or interpreter)
     from model import Transformer
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *s, **k: (lambda e: e.fill_(float("nan")) if e.is_floating_point() else e)(
+        empty(*s, **k)))
     ops = kernel_ops()
-    t = Transformer.from_pretrained(tiny_v4, backend="torch", device=str(ops.device), ops=ops)
+    t = Transformer.from_pretrained(tiny_v4, backend="torch", device=str(ops.device), ops=ops, experts=experts)
     p, a = t.w["layers"][2]["ffn"], t.args
-    assert p["w13"].w.dtype == torch.uint8 and "experts" not in p                  # stacked FP4, the list dropped
-    x = torch.from_numpy(quant.bf16_round(np.random.default_rng(2).standard_normal((9, a.hidden_size)))).to(ops.device)
-    idx = torch.from_numpy(np.argsort(np.random.default_rng(3).random((9, 8)), 1)[:, :2]).to(ops.device)
-    w = torch.rand(9, 2, device=ops.device)
+    assert (p["w13"].w.dtype == torch.uint8) == (experts == "fp4") and "experts" not in p   # stacked, the list dropped
+    x = torch.from_numpy(quant.bf16_round(np.random.default_rng(2).standard_normal((M, a.hidden_size)))).to(ops.device)
+    idx = torch.from_numpy(np.argsort(np.random.default_rng(3).random((M, 8)), 1)[:, :2]).to(ops.device)
+    w = torch.rand(M, 2, device=ops.device)
     full = backend_torch.routed_v4(x, p, idx, w, a, True, kern=ops.kernels, v4k=kernels_cuda)
     half = {"w13": quant.Weight(p["w13"].w[4:], p["w13"].scale[4:]), "w2": quant.Weight(p["w2"].w[4:], p["w2"].scale[4:])}
     part = backend_torch.routed_v4(x, half, idx, w, a, True, 4, kern=ops.kernels, v4k=kernels_cuda)
