@@ -14,17 +14,28 @@ run in the same process, on one GPU, with the measured rooflines.
                       128-query chunk (prefill)
 
 Each sequence has its own cache and the selected indices are random and distinct, the L2 is flushed
-before every timed call (bench_gemm.timed). Decode rows (and their baselines) are replayed from a CUDA
+before every timed call (bench_gemm.timed), median of 20. Decode rows (and their baselines) are replayed from a CUDA
 graph, as a decode step runs: Python's launch cost (tens of microseconds) is not theirs. The first shape of each kernel sweeps a few tile
 configurations and the rest use the best. `--smoke` runs tiny shapes (on the CPU under
 TRITON_INTERPRET=1 the timings mean nothing: it only checks that the script runs).
 
     python bench/bench_dsa.py [--out DIR] [--smoke]      (writes DIR/dsa.json, prints the table)
     python bench/bench_dsa.py --render FILE.json          (the table of a stored run)
+    python bench/bench_dsa.py --tilelang DIR              (and TileLang's kernels beside ours)
+
+--tilelang DIR: a folder holding TileLang's `examples/deepseek_v32` modules (fp8_lighting_indexer.py,
+topk_selector.py, sparse_mla_fwd_pipelined.py and the utils.py they import; TileLang itself installed:
+../shared/anchors/README.md). They are imported from there, never copied into the project, and timed on
+the same inputs with the same timer as ours (graph-replayed where ours is: top-k; eager for the
+millisecond prefill calls), their conventions converted (selections padded with L instead of -1, the
+causal end of each query row as an argument); each row also says whether the two agree (the same
+top-k sets; the largest difference of the logits or outputs relative to their largest magnitude).
 """
+import importlib
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,14 +56,30 @@ MLA_B1_CONFIGS = [dict(c, splits=sp) for sp in (8, 16, 32) for c in
                    dict(block_h=128, block_n=32, num_warps=8, num_stages=1), dict(block_h=32, block_n=32, num_warps=4, num_stages=1))]
 
 
+TILELANG = ("fp8_lighting_indexer", "topk_selector", "sparse_mla_fwd_pipelined")   # TileLang's examples/deepseek_v32
+
+
+def load_tilelang(folder):  # --tilelang: TileLang's example modules from the user's folder -> a namespace, or exit
+    missing = [m + ".py" for m in TILELANG if not (Path(folder) / f"{m}.py").is_file()]
+    if missing:
+        sys.exit(f"bench_dsa: --tilelang {folder}: no {', '.join(missing)} there (copy TileLang's examples/deepseek_v32)")
+    sys.path.insert(0, str(Path(folder).resolve()))
+    try:
+        return SimpleNamespace(**{m: importlib.import_module(m) for m in TILELANG})
+    except Exception as e:                                   # TileLang not installed, or the examples' own imports
+        sys.exit(f"bench_dsa: --tilelang {folder}: importing TileLang's modules failed: {type(e).__name__}: {e}")
+
+
 def render(meta, rows):  # (bench_v4_kernels.py's too: its rows have no tile configurations, so no config column)
     roof = meta["roofline"]
     configs = any("config" in r for r in rows)
+    tl = any("tilelang_ms" in r for r in rows)
     out = [f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; measured roofline: FP8 "
            f"{roof['fp8_tflops']:.0f} TFLOP/s, bf16 {roof['bf16_tflops']:.0f} TFLOP/s, copy {roof['copy_gbs']:.0f} GB/s"
            f"{bench_gemm.floor_note(roof)}", "",
-           "| kernel | shape | us | TFLOP/s | TB/s | of roofline | PyTorch baseline us | speed-up |" + (" config |" if configs else ""),
-           "|---|---|---|---|---|---|---|---|" + ("---|" if configs else "")]
+           "| kernel | shape | us | TFLOP/s | TB/s | of roofline | PyTorch baseline us | speed-up |"
+           + (" TileLang us | speed vs TileLang | agree |" if tl else "") + (" config |" if configs else ""),
+           "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if tl else "") + ("---|" if configs else "")]
     for r in rows:
         us = 1e3 * r["ms"]
         tf = r.get("flops", 0) / r["ms"] / 1e9
@@ -62,15 +89,21 @@ def render(meta, rows):  # (bench_v4_kernels.py's too: its rows have no tile con
         base = f"{1e3 * r['baseline_ms']:.1f}" if r.get("baseline_ms") else "-"
         speed = f"{r['baseline_ms'] / r['ms']:.1f}x" if r.get("baseline_ms") else "-"
         cfg = ", ".join(f"{k}={v}" for k, v in r.get("config", {}).items())
+        if r.get("tilelang_ms"):
+            side = f" {1e3 * r['tilelang_ms']:.1f} | {r['tilelang_ms'] / r['ms']:.2f}x | {r['tilelang_agree']} |"
+        else:
+            side = f" - | - | {r.get('tilelang_agree', '-')} |"
         out.append(f"| {r['kernel']} | {r['shape']} | {us:.1f} | {tf:.0f} | {tb:.2f} | {of:.2f} | {base} | {speed} |"
-                   + (f" {cfg} |" if configs else ""))
+                   + (side if tl else "") + (f" {cfg} |" if configs else ""))
     return "\n".join(out)
 
 
 def main():
-    a = bench_gemm.kernel_bench_cli(__doc__, "dsa.json", render)          # (no GPU: TRITON_INTERPRET=1)
-    if a is None:
+    a = bench_gemm.kernel_bench_cli(__doc__, "dsa.json", render, more=lambda ap: ap.add_argument(
+        "--tilelang", metavar="DIR", help="time TileLang's examples/deepseek_v32 kernels from DIR beside ours"))
+    if a is None:                                                       # (no GPU: TRITON_INTERPRET=1)
         return
+    tl = load_tilelang(a.tilelang) if a.tilelang else None
     import torch
     import kernels_cuda
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -90,9 +123,9 @@ def main():
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 fn()
-            return bench_gemm.timed(g.replay, reps=10, graph=False)
+            return bench_gemm.timed(g.replay, reps=20, graph=False)
         if dev == "cuda":
-            return bench_gemm.timed(fn, reps=10, graph=False)
+            return bench_gemm.timed(fn, reps=20, graph=False)
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
@@ -108,6 +141,19 @@ def main():
 
     def randn(*shape, dtype=torch.float32):
         return torch.randn(*shape, device=dev, generator=gen).to(dtype)
+
+    def beside(row, theirs, ours, agree, graph=False):  # --tilelang: TileLang's call on the same inputs, same timer
+        try:
+            row["tilelang_agree"] = agree(ours(), theirs())
+            row["tilelang_ms"] = timed(theirs, graph)
+        except Exception as e:                                      # the row keeps ours; the failure is said
+            row["tilelang_agree"] = f"TileLang failed: {type(e).__name__}"
+            print(f"TileLang, {row['kernel']} {row['shape']}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+
+    def rel_diff(x, y):  # finite where both are (masked logits are -inf in both) -> "rel diff 1.2e-07"
+        x, y = x.float(), y.float()
+        m = torch.isfinite(x) & torch.isfinite(y)
+        return f"rel diff {((x - y)[m].abs().max() / y[m].abs().max()).item():.1e}"
 
     rows = []
     # ---- indexer scores, prefill and decode
@@ -127,6 +173,11 @@ def main():
         pairs = T * S - T * (T - 1) // 2
         rows.append(dict(kernel="indexer prefill", shape=f"T={T} S={S}", ms=ms, baseline_ms=timed(torch_scores),
                          flops=2 * pairs * J * D, fp8=True, config=cfg))
+        if tl:                                          # their row t sees keys [0, S - T + t]: ours, causal
+            ends = (S - T + 1 + torch.arange(T, device=dev)).int()
+            beside(rows[-1], lambda: tl.fp8_lighting_indexer.mqa_attn_return_logits_interface(
+                q[0], k[0], ks[0], w[0], torch.zeros(T, dtype=torch.int32, device=dev), ends),
+                lambda: fn(**cfg)[0], rel_diff)
     cfg = None
     for B, L in [(64, 65536), (64, 16384), (8, 65536), (1, 65536), (1, 16384)] if not smoke else [(2, 40)]:
         q, k, w, ks = randn(B, 1, J, D, dtype=f8), randn(B, L, D, dtype=f8), randn(B, 1, J), torch.rand(B, L, device=dev) + 0.5
@@ -146,6 +197,12 @@ def main():
         ms, cfg = best(fn, TOPK_CONFIGS, True) if cfg is None else (timed(lambda: fn(**cfg), True), cfg)
         rows.append(dict(kernel="top-k decode", shape=f"B={B} L={L} k={KT}", ms=ms,
                          baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1), True), bytes=4 * B * L, config=cfg))
+        if tl:                                          # each row's whole [0, L)
+            s2, lo, hi = sc[:, 0].contiguous(), torch.zeros(B, dtype=torch.int32, device=dev), torch.full(
+                (B,), L, dtype=torch.int32, device=dev)
+            beside(rows[-1], lambda: tl.topk_selector.tl_topk(s2, lo, hi, KT), lambda: fn(**cfg)[:, 0],
+                   lambda x, y: "same sets" if torch.equal(x.sort(-1).values, y.sort(-1).values.to(x.dtype))
+                   else "different sets", graph=True)
     T, S = (8192, 65536) if not smoke else (8, 40)
     sc = randn(1, T, S)
     ms = timed(lambda: kernels_cuda.topk_indices(sc, KT, S - T))          # the defaults for many rows
@@ -216,6 +273,17 @@ def main():
                 torch.bmm(torch.softmax(z, -1).bfloat16(), g[..., :C])
         rows.append(dict(kernel="sparse MLA prefill (bf16 cache)", shape=f"T={T} L={L} topk={K}", ms=ms,
                          baseline_ms=timed(gathered), flops=2 * valid * H * (C + R + C), config=cfg))
+        if tl:                                          # their kernel: q and key rows whole, selections padded with L
+            qt, kvt = torch.cat([qa, qp], -1).contiguous(), cache[:, :, None, :].contiguous()
+            it = torch.where(idx < 0, L, idx)[:, :, None, :].contiguous()
+            q0, kern = torch.tensor([L - T], dtype=torch.int32, device=dev), []
+
+            def theirs():                               # compiled at the first call, then only run
+                if not kern:
+                    kern.append(tl.sparse_mla_fwd_pipelined.sparse_mla_fwd_interface(qt, kvt, it, L - T, 1, sm_scale=scale,
+                                                                                     return_kernel=True))
+                return kern[0](qt, kvt, it, q0)[0]
+            beside(rows[-1], theirs, lambda: fn(**cfg)[0], rel_diff)
         del cache, kv, pe
 
     if dev == "cuda":  # registers and spills of the compiled kernels (stderr)

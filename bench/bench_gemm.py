@@ -78,13 +78,15 @@ def rooflines():
     return {"bf16_tflops": bf16, "fp8_tflops": fp8, "copy_gbs": copy, "floor_us": one_kernel}
 
 
-def kernel_bench_cli(doc, json_name, render):
-    """The command line of the kernel benchmarks (bench_dsa.py, bench_v4_kernels.py): --out, --smoke, --render.
-    -> the parsed arguments, or None once --render has printed a stored run's table."""
+def kernel_bench_cli(doc, json_name, render, more=None):
+    """The command line of the kernel benchmarks (bench_dsa.py, bench_v4_kernels.py): --out, --smoke, --render,
+    and what more(parser) adds. -> the parsed arguments, or None once --render has printed a stored run's table."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help=f"folder for {json_name}")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU interpreter)")
     ap.add_argument("--render", help=f"print the table of a stored {json_name}")
+    if more is not None:
+        more(ap)
     a = ap.parse_args()
     if a.render:
         d = json.loads(Path(a.render).read_text())
