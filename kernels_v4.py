@@ -325,11 +325,12 @@ def _fp4_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, M, N, K, KB_SPLIT, GRO
         pairs = tl.load(B + cols[:, None].to(tl.int64) * (K // 2) + kb * 16 + k16[None, :], mask=in_n[:, None], other=0)
         a_at = A + rows[:, None].to(tl.int64) * K + kb * 32
         if INT8:
-            # byte j holds k = 2j (low nibble) and 2j + 1 (high): joined back into k order, [BLOCK_N, 32]
-            w = tl.trans(tl.reshape(tl.join(_subnormal_units(pairs & 0xF, 2, 1), _subnormal_units(pairs >> 4, 2, 1)), (BLOCK_N, 32)).to(tl.int8))
-            a = _subnormal_units(tl.load(a_at + tl.arange(0, 32)[None, :], mask=in_m[:, None], other=0), 4, 3)  # [BLOCK_M, 32]
+            lo, hi = _subnormal_units(pairs & 0xF, 2, 1), _subnormal_units(pairs >> 4, 2, 1)   # w · 2, [BLOCK_N, 16]
+            # byte j holds k = 2j (low nibble) and 2j + 1 (high): joined back into k order
+            w = tl.trans(tl.reshape(tl.join(lo, hi), (BLOCK_N, 32)).to(tl.int8))                # [32, BLOCK_N]
+            a = _subnormal_units(tl.load(a_at + tl.arange(0, 32)[None, :], mask=in_m[:, None], other=0), 4, 3)
             exact = (tl.dot(_limb(a, 0), w, out_dtype=tl.int32) + 128 * tl.dot(_limb(a, 1), w, out_dtype=tl.int32)
-                     + 16384 * tl.dot(_limb(a, 2), w, out_dtype=tl.int32))                  # Σ a·2^9 · w·2, exact
+                     + 16384 * tl.dot(_limb(a, 2), w, out_dtype=tl.int32))     # Σ a·2^9 · w·2 over [BLOCK_M, 32], exact
             partial = exact.to(tl.float32) * (2.0 ** -11 if FNUZ else 2.0 ** -10)        # one rounding, then exact
         else:
             a_even = _e4m3_decode(tl.load(a_at + 2 * k16[None, :], mask=in_m[:, None], other=0), FNUZ).to(tl.float16)
