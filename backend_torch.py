@@ -160,17 +160,21 @@ def zeros(shape, fp8, *, device, kern=None):  # cache storage; FP8 keys in this 
 # Norms and RoPE (attention.rms_norm_ref, indexer.layer_norm_ref, rope.py)
 
 def rms_norm(x, w, eps, rnd, *, kern=None):  # attention.rms_norm_ref
-    official = _rounding(rnd)
-    if kern is not None and official is not None and x.dtype == torch.float32 and x.shape[-1] <= 16384:
+    official = _norm_kernel(x, w, rnd, kern)
+    if official is not None:
         return kern.rms_norm(x, w, eps, official)                       # one launch instead of seven
     x = x.float()
     return rnd(w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)))
 
 
-def _rounding(rnd):  # an op table's rounding -> True (bf16_round), False (no_round), None (another function)
-    if rnd is no_round:
-        return False
-    return True if rnd is bf16_round or getattr(rnd, "func", None) is bf16_round else None
+def _norm_kernel(x, w, rnd, kern):
+    """Whether the kernels' rms_norm computes this norm: None (no: torch) or its official flag (rnd is
+    bf16_round, or the op table's partial of it: True; no_round: False); float32 rows it holds, w [D]."""
+    official = False if rnd is no_round else True if bf16_round in (rnd, getattr(rnd, "func", None)) else None
+    if kern is None or x.dtype != torch.float32 or not 0 < (x.shape[-1] if x.dim() else 0) <= kern.RMS_NORM_MAX \
+            or (w is not None and w.shape != x.shape[-1:]):
+        return None
+    return official
 
 
 def layer_norm(x, w, b, eps=1e-6):  # indexer.layer_norm_ref
@@ -618,8 +622,8 @@ def hc_head(X, fn, base, scale, args, official=False, *, kern=None):  # mhc.hc_h
 
 
 def v4_norm(x, w, eps, rnd=no_round, *, kern=None):  # compressor.rms_norm: x * rsqrt(mean(x²) + eps), weighted
-    official = _rounding(rnd)
-    if kern is not None and official is not None and x.dtype == torch.float32 and x.shape[-1] <= 16384:
+    official = _norm_kernel(x, w, rnd, kern)
+    if official is not None:
         return kern.rms_norm(x, w, eps, official, recip=True)
     x = x.float()
     y = x * (1 / torch.sqrt(f64(lambda v: (v * v).mean(-1, keepdim=True), x) + eps))

@@ -341,10 +341,13 @@ def _rms_norm_kernel(X, W, Y, D, eps, HAS_W: tl.constexpr, RECIP: tl.constexpr, 
     rms = tl.sqrt_rn(tl.div_rn(tl.sum(x * x, 0), D * 1.0) + eps)                      # sqrt(mean(x²) + eps)
     y = x * tl.div_rn(1.0, rms) if RECIP else tl.div_rn(x, rms)
     if HAS_W:
-        y = tl.load(W + d, mask=d < D, other=0.0) * y
+        y = tl.load(W + d, mask=d < D, other=0.0).to(tl.float32) * y                   # (a bf16 weight widened here)
     if ROUND:
         y = _bf16_round(y)
     tl.store(Y + at, y, mask=d < D)
+
+
+RMS_NORM_MAX = 16384                                # the widest row rms_norm holds in one program
 
 
 def rms_norm(x, w, eps, official, recip=False):  # [..., D] float32, [D] or None -> [..., D] float32, one launch
@@ -352,15 +355,15 @@ def rms_norm(x, w, eps, official, recip=False):  # [..., D] float32, [D] or None
     x / rms (attention.rms_norm_ref, V3.2) or, recip, w times x · (1 / rms) (compressor.rms_norm, V4),
     rounded to bf16 in official numerics. The sum of squares is a tree, not the reference's order:
     within an ulp or so of it, not bit for bit (tests/test_kernels.py states the bound)."""
-    D = x.shape[-1]
-    if x.dtype != torch.float32 or (w is not None and w.shape != (D,)) or D > 16384:
-        raise ValueError(f"rms_norm: float32 rows of at most 16384 and a weight of their width expected, got "
+    D = x.shape[-1] if x.dim() else 0
+    if x.dtype != torch.float32 or not 0 < D <= RMS_NORM_MAX or (w is not None and w.shape != (D,)):
+        raise ValueError(f"rms_norm: float32 rows of 1 to {RMS_NORM_MAX} and a weight of their width expected, got "
                          f"{x.dtype} {tuple(x.shape)}, weight {None if w is None else tuple(w.shape)}")
     x = x.contiguous()
     y = torch.empty_like(x)
     if x.numel():
         BLOCK = triton.next_power_of_2(D)
-        _rms_norm_kernel[(x.numel() // D,)](x, x if w is None else w.float().contiguous(), y, D, float(eps),
+        _rms_norm_kernel[(x.numel() // D,)](x, x if w is None else w.contiguous(), y, D, float(eps),
                                             HAS_W=w is not None, RECIP=bool(recip), ROUND=bool(official), BLOCK=BLOCK,
                                             num_warps=max(1, min(8, BLOCK // 1024)))
     return y

@@ -74,7 +74,7 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, arch=None):
                        fnuz=cfg["fnuz"])
 
 
-rope, bf16_round, rms_norm = _k.rope, _k.bf16_round, _k.rms_norm     # fp32: nothing differs by architecture
+rope, bf16_round, rms_norm, RMS_NORM_MAX = _k.rope, _k.bf16_round, _k.rms_norm, _k.RMS_NORM_MAX   # fp32: all the same
 
 
 def _int8_route(route, arch):  # route "int8", "fp16" or None (the architecture's) -> int8?

@@ -63,7 +63,7 @@ def load_tilelang(folder):  # --tilelang: TileLang's example modules from the us
     missing = [m + ".py" for m in TILELANG if not (Path(folder) / f"{m}.py").is_file()]
     if missing:
         sys.exit(f"bench_dsa: --tilelang {folder}: no {', '.join(missing)} there (copy TileLang's examples/deepseek_v32)")
-    sys.path.insert(0, str(Path(folder).resolve()))
+    sys.path.append(str(Path(folder).resolve()))                # after the project's own modules
     try:
         return SimpleNamespace(**{m: importlib.import_module(m) for m in TILELANG})
     except Exception as e:                                   # TileLang not installed, or the examples' own imports
@@ -73,13 +73,14 @@ def load_tilelang(folder):  # --tilelang: TileLang's example modules from the us
 def render(meta, rows):  # (bench_v4_kernels.py's too: its rows have no tile configurations, so no config column)
     roof = meta["roofline"]
     configs = any("config" in r for r in rows)
-    tl = any("tilelang_ms" in r for r in rows)
-    out = [f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; measured roofline: FP8 "
+    side_by_side = any("tilelang_ms" in r for r in rows)
+    out = [f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}"
+           + (f", TileLang {meta['tilelang']}" if "tilelang" in meta else "") + "; measured roofline: FP8 "
            f"{roof['fp8_tflops']:.0f} TFLOP/s, bf16 {roof['bf16_tflops']:.0f} TFLOP/s, copy {roof['copy_gbs']:.0f} GB/s"
            f"{bench_gemm.floor_note(roof)}", "",
            "| kernel | shape | us | TFLOP/s | TB/s | of roofline | PyTorch baseline us | speed-up |"
-           + (" TileLang us | speed vs TileLang | agree |" if tl else "") + (" config |" if configs else ""),
-           "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if tl else "") + ("---|" if configs else "")]
+           + (" TileLang us | speed vs TileLang | agree |" if side_by_side else "") + (" config |" if configs else ""),
+           "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if side_by_side else "") + ("---|" if configs else "")]
     for r in rows:
         us = 1e3 * r["ms"]
         tf = r.get("flops", 0) / r["ms"] / 1e9
@@ -94,7 +95,7 @@ def render(meta, rows):  # (bench_v4_kernels.py's too: its rows have no tile con
         else:
             side = f" - | - | {r.get('tilelang_agree', '-')} |"
         out.append(f"| {r['kernel']} | {r['shape']} | {us:.1f} | {tf:.0f} | {tb:.2f} | {of:.2f} | {base} | {speed} |"
-                   + (side if tl else "") + (f" {cfg} |" if configs else ""))
+                   + (side if side_by_side else "") + (f" {cfg} |" if configs else ""))
     return "\n".join(out)
 
 
@@ -103,7 +104,7 @@ def main():
         "--tilelang", metavar="DIR", help="time TileLang's examples/deepseek_v32 kernels from DIR beside ours"))
     if a is None:                                                       # (no GPU: TRITON_INTERPRET=1)
         return
-    tl = load_tilelang(a.tilelang) if a.tilelang else None
+    tilelang = load_tilelang(a.tilelang) if a.tilelang else None
     import torch
     import kernels_cuda
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,7 +143,7 @@ def main():
     def randn(*shape, dtype=torch.float32):
         return torch.randn(*shape, device=dev, generator=gen).to(dtype)
 
-    def beside(row, theirs, ours, agree, graph=False):  # --tilelang: TileLang's call on the same inputs, same timer
+    def beside(row, ours, theirs, agree, graph=False):  # --tilelang: TileLang's call on the same inputs, same timer
         try:
             row["tilelang_agree"] = agree(ours(), theirs())
             row["tilelang_ms"] = timed(theirs, graph)
@@ -150,9 +151,11 @@ def main():
             row["tilelang_agree"] = f"TileLang failed: {type(e).__name__}"
             print(f"TileLang, {row['kernel']} {row['shape']}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
 
-    def rel_diff(x, y):  # finite where both are (masked logits are -inf in both) -> "rel diff 1.2e-07"
+    def rel_diff(x, y):  # the same masked (-inf) positions, then the finite ones -> "rel diff 1.2e-07"
         x, y = x.float(), y.float()
-        m = torch.isfinite(x) & torch.isfinite(y)
+        m = torch.isfinite(x)
+        if x.shape != y.shape or not torch.equal(m, torch.isfinite(y)):
+            return "different masks"
         return f"rel diff {((x - y)[m].abs().max() / y[m].abs().max()).item():.1e}"
 
     rows = []
@@ -173,11 +176,10 @@ def main():
         pairs = T * S - T * (T - 1) // 2
         rows.append(dict(kernel="indexer prefill", shape=f"T={T} S={S}", ms=ms, baseline_ms=timed(torch_scores),
                          flops=2 * pairs * J * D, fp8=True, config=cfg))
-        if tl:                                          # their row t sees keys [0, S - T + t]: ours, causal
-            ends = (S - T + 1 + torch.arange(T, device=dev)).int()
-            beside(rows[-1], lambda: tl.fp8_lighting_indexer.mqa_attn_return_logits_interface(
-                q[0], k[0], ks[0], w[0], torch.zeros(T, dtype=torch.int32, device=dev), ends),
-                lambda: fn(**cfg)[0], rel_diff)
+        if tilelang:                                    # their row t sees keys [0, S - T + t]: ours, causal
+            starts, ends = torch.zeros(T, dtype=torch.int32, device=dev), (S - T + 1 + torch.arange(T, device=dev)).int()
+            beside(rows[-1], lambda: fn(**cfg)[0], lambda: tilelang.fp8_lighting_indexer.mqa_attn_return_logits_interface(
+                q[0], k[0], ks[0], w[0], starts, ends), rel_diff)
     cfg = None
     for B, L in [(64, 65536), (64, 16384), (8, 65536), (1, 65536), (1, 16384)] if not smoke else [(2, 40)]:
         q, k, w, ks = randn(B, 1, J, D, dtype=f8), randn(B, L, D, dtype=f8), randn(B, 1, J), torch.rand(B, L, device=dev) + 0.5
@@ -197,10 +199,11 @@ def main():
         ms, cfg = best(fn, TOPK_CONFIGS, True) if cfg is None else (timed(lambda: fn(**cfg), True), cfg)
         rows.append(dict(kernel="top-k decode", shape=f"B={B} L={L} k={KT}", ms=ms,
                          baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1), True), bytes=4 * B * L, config=cfg))
-        if tl:                                          # each row's whole [0, L)
-            s2, lo, hi = sc[:, 0].contiguous(), torch.zeros(B, dtype=torch.int32, device=dev), torch.full(
-                (B,), L, dtype=torch.int32, device=dev)
-            beside(rows[-1], lambda: tl.topk_selector.tl_topk(s2, lo, hi, KT), lambda: fn(**cfg)[:, 0],
+        if tilelang:                                    # each row's whole [0, L)
+            s2 = sc[:, 0].contiguous()
+            lo = torch.zeros(B, dtype=torch.int32, device=dev)
+            hi = torch.full((B,), L, dtype=torch.int32, device=dev)
+            beside(rows[-1], lambda: fn(**cfg)[:, 0], lambda: tilelang.topk_selector.tl_topk(s2, lo, hi, KT),
                    lambda x, y: "same sets" if torch.equal(x.sort(-1).values, y.sort(-1).values.to(x.dtype))
                    else "different sets", graph=True)
     T, S = (8192, 65536) if not smoke else (8, 40)
@@ -273,17 +276,17 @@ def main():
                 torch.bmm(torch.softmax(z, -1).bfloat16(), g[..., :C])
         rows.append(dict(kernel="sparse MLA prefill (bf16 cache)", shape=f"T={T} L={L} topk={K}", ms=ms,
                          baseline_ms=timed(gathered), flops=2 * valid * H * (C + R + C), config=cfg))
-        if tl:                                          # their kernel: q and key rows whole, selections padded with L
+        if tilelang:                                    # their kernel: q and key rows whole, selections padded with L
             qt, kvt = torch.cat([qa, qp], -1).contiguous(), cache[:, :, None, :].contiguous()
             it = torch.where(idx < 0, L, idx)[:, :, None, :].contiguous()
-            q0, kern = torch.tensor([L - T], dtype=torch.int32, device=dev), []
+            q0, compiled = torch.tensor([L - T], dtype=torch.int32, device=dev), []
 
             def theirs():                               # compiled at the first call, then only run
-                if not kern:
-                    kern.append(tl.sparse_mla_fwd_pipelined.sparse_mla_fwd_interface(qt, kvt, it, L - T, 1, sm_scale=scale,
-                                                                                     return_kernel=True))
-                return kern[0](qt, kvt, it, q0)[0]
-            beside(rows[-1], theirs, lambda: fn(**cfg)[0], rel_diff)
+                if not compiled:
+                    compiled.append(tilelang.sparse_mla_fwd_pipelined.sparse_mla_fwd_interface(
+                        qt, kvt, it, L - T, 1, sm_scale=scale, return_kernel=True))
+                return compiled[0](qt, kvt, it, q0)[0]
+            beside(rows[-1], lambda: fn(**cfg)[0], theirs, rel_diff)
         del cache, kv, pe
 
     if dev == "cuda":  # registers and spills of the compiled kernels (stderr)
@@ -293,7 +296,14 @@ def main():
                 for ck in (per_dev[0].values() if isinstance(per_dev, tuple) else []):
                     print(name, "regs", getattr(ck, "n_regs", "?"), "spills", getattr(ck, "n_spills", "?"),
                           "warps", getattr(getattr(ck, "metadata", None), "num_warps", "?"), file=sys.stderr)
-    bench_gemm.write_kernel_run(a.out, "dsa.json", rows, smoke, render)
+    version = None
+    if tilelang:
+        from importlib.metadata import PackageNotFoundError, version as package_version
+        try:
+            version = package_version("tilelang")
+        except PackageNotFoundError:                    # stand-ins (the tests)
+            version = "not installed"
+    bench_gemm.write_kernel_run(a.out, "dsa.json", rows, smoke, render, **({"tilelang": version} if version else {}))
 
 
 if __name__ == "__main__":

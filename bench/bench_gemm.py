@@ -99,12 +99,12 @@ def kernel_bench_cli(doc, json_name, render, more=None):
     return a
 
 
-def write_kernel_run(out, json_name, rows, smoke, render):  # the run's meta (with the rooflines), its JSON, its table
+def write_kernel_run(out, json_name, rows, smoke, render, **more):  # the run's meta (rooflines, more), JSON, table
     import triton
     cuda = torch.cuda.is_available()
     meta = dict(gpu=torch.cuda.get_device_name() if cuda else "cpu (interpreter)", torch=torch.__version__,
                 triton=triton.__version__, date=time.strftime("%Y-%m-%d"), smoke=smoke,
-                roofline=rooflines() if cuda else dict(fp8_tflops=1, bf16_tflops=1, copy_gbs=1))
+                roofline=rooflines() if cuda else dict(fp8_tflops=1, bf16_tflops=1, copy_gbs=1), **more)
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / json_name).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(render(meta, rows))

@@ -2,6 +2,8 @@
 for real (bit for bit), on the CPU under TRITON_INTERPRET=1 (set in conftest.py), where the
 interpreter's fp32->fp8 cast is defective (spec/kernels.md §4.3: about 1.3% of values come out a
 factor of two off, exactly): there, and only there, codes may differ by exactly that factor."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -484,11 +486,41 @@ def test_rms_norm_kernel(M, D, form, official, log_scale, seed):
     got = kernels_cuda.rms_norm(torch.from_numpy(x).to(DEV), None if w is None else torch.from_numpy(w).to(DEV), 1e-6,
                                 official, recip=form != "v3.2").cpu().numpy()
     if official:
+        np.testing.assert_array_equal(got, quant.bf16_round(got))                    # bf16 values
         assert_bf16_close(got, want, ulps=1, what="rms_norm")
     else:
-        assert np.all(np.abs(got - want) <= (D + 3) * 2.0 ** -24 * np.abs(want))
+        assert np.all(np.abs(got - want) <= (D + 4) * 2.0 ** -24 * np.abs(want))
     with pytest.raises(ValueError, match="rms_norm"):
         kernels_cuda.rms_norm(torch.from_numpy(x).to(DEV), torch.ones(D + 1, device=DEV), 1e-6, official)
+    with pytest.raises(ValueError, match="rms_norm"):
+        kernels_cuda.rms_norm(torch.ones((), device=DEV), None, 1e-6, official)
+
+
+def test_the_torch_path_norms_take_the_kernel():
+    # backend_torch.rms_norm and v4_norm with the kernels: the op table's roundings (bf16_round, its partial with
+    # the kernels, no_round) go through kernels_cuda.rms_norm, anything else (and a weight of another width) stays
+    # torch; both within a bf16 step of torch's
+    from functools import partial
+    import backend_torch as bt
+    calls = []
+    kern = SimpleNamespace(rms_norm=lambda *a, **k: calls.append(k) or kernels_cuda.rms_norm(*a, **k),
+                           RMS_NORM_MAX=kernels_cuda.RMS_NORM_MAX)
+    x = torch.from_numpy(quant.bf16_round(np.random.default_rng(0).standard_normal((3, 200)).astype(np.float32))).to(DEV)
+    w = torch.from_numpy(quant.bf16_round((1 + 0.1 * np.random.default_rng(1).standard_normal(200)).astype(np.float32))).to(DEV)
+    for rnd, taken in ((bt.bf16_round, True), (partial(bt.bf16_round, kern=kernels_cuda), True), (bt.no_round, True),
+                       (lambda v: v * 1, False)):
+        for norm, weight in ((bt.rms_norm, w), (bt.v4_norm, w), (bt.v4_norm, None)):
+            calls.clear()
+            got = norm(x, weight, 1e-6, rnd, kern=kern).cpu().numpy()
+            want = norm(x, weight, 1e-6, rnd).cpu().numpy()
+            assert bool(calls) == taken, (rnd, norm)
+            if taken:
+                assert calls[0].get("recip", False) == (norm is bt.v4_norm)
+            assert np.all(np.abs(got - want) <= 2.0 ** -7 * np.abs(want) + 1e-30), (rnd, norm)
+    calls.clear()
+    with pytest.raises(RuntimeError):                                              # torch's own error, not the kernel
+        bt.rms_norm(x, w[:100], 1e-6, bt.bf16_round, kern=kern)
+    assert not calls
 
 
 @settings(max_examples=8, deadline=None)
