@@ -7,6 +7,7 @@ Number formats and GEMMs, in kernels_fp8.py (its docstring has the details), re-
     fp8_gemm    the block-scaled FP8 GEMM, K split for decode      reference: quant.fp8_gemm
     moe_gemm    that GEMM for the routed experts, rows gathered    reference: quant.fp8_gemm per expert
     bf16_round  float32 -> the nearest bf16 values, one launch     reference: quant.bf16_round
+    rms_norm    a row's RMSNorm (V3.2's and V4's), one launch     reference: attention.rms_norm_ref, compressor.rms_norm
 
 RoPE, here (its jit helper _rope serves index_prep too):
     rope        RoPE in either layout: elementwise glue, one launch
