@@ -22,6 +22,8 @@ TRITON_INTERPRET=1 the timings mean nothing: it only checks that the script runs
     python bench/bench_dsa.py [--out DIR] [--smoke]      (writes DIR/dsa.json, prints the table)
     python bench/bench_dsa.py --render FILE.json          (the table of a stored run)
     python bench/bench_dsa.py --tilelang DIR              (and TileLang's kernels beside ours)
+    python bench/bench_dsa.py --only top-k,mla-prefill    (some groups of rows: indexer-prefill, indexer-decode,
+                                                           top-k, mla-decode, mla-prefill)
 
 --tilelang DIR: a folder holding TileLang's `examples/deepseek_v32` modules (fp8_lighting_indexer.py,
 topk_selector.py, sparse_mla_fwd_pipelined.py and the utils.py they import; TileLang itself installed:
@@ -56,6 +58,7 @@ MLA_B1_CONFIGS = [dict(c, splits=sp) for sp in (8, 16, 32) for c in
                    dict(block_h=128, block_n=32, num_warps=8, num_stages=1), dict(block_h=32, block_n=32, num_warps=4, num_stages=1))]
 
 
+GROUPS = ("indexer-prefill", "indexer-decode", "top-k", "mla-decode", "mla-prefill")   # --only
 TILELANG = ("fp8_lighting_indexer", "topk_selector", "sparse_mla_fwd_pipelined")   # TileLang's examples/deepseek_v32
 
 
@@ -75,7 +78,8 @@ def render(meta, rows):  # (bench_v4_kernels.py's too: its rows have no tile con
     configs = any("config" in r for r in rows)
     side_by_side = any("tilelang_ms" in r for r in rows)
     out = [f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}"
-           + (f", TileLang {meta['tilelang']}" if "tilelang" in meta else "") + "; measured roofline: FP8 "
+           + (f", TileLang {meta['tilelang']}" if "tilelang" in meta else "")
+           + (f", --only {meta['only']}" if "only" in meta else "") + "; measured roofline: FP8 "
            f"{roof['fp8_tflops']:.0f} TFLOP/s, bf16 {roof['bf16_tflops']:.0f} TFLOP/s, copy {roof['copy_gbs']:.0f} GB/s"
            f"{bench_gemm.floor_note(roof)}", "",
            "| kernel | shape | us | TFLOP/s | TB/s | of roofline | PyTorch baseline us | speed-up |"
@@ -100,10 +104,15 @@ def render(meta, rows):  # (bench_v4_kernels.py's too: its rows have no tile con
 
 
 def main():
-    a = bench_gemm.kernel_bench_cli(__doc__, "dsa.json", render, more=lambda ap: ap.add_argument(
-        "--tilelang", metavar="DIR", help="time TileLang's examples/deepseek_v32 kernels from DIR beside ours"))
+    def more(ap):
+        ap.add_argument("--tilelang", metavar="DIR", help="time TileLang's examples/deepseek_v32 kernels from DIR beside ours")
+        ap.add_argument("--only", metavar="GROUPS", help=f"a comma-separated subset of {', '.join(GROUPS)} (default: all)")
+    a = bench_gemm.kernel_bench_cli(__doc__, "dsa.json", render, more=more)
     if a is None:                                                       # (no GPU: TRITON_INTERPRET=1)
         return
+    only = a.only.split(",") if a.only else GROUPS
+    if set(only) - set(GROUPS):
+        sys.exit(f"bench_dsa: --only {a.only}: unknown {', '.join(sorted(set(only) - set(GROUPS)))} (groups: {', '.join(GROUPS)})")
     tilelang = load_tilelang(a.tilelang) if a.tilelang else None
     import torch
     import kernels_cuda
@@ -140,6 +149,13 @@ def main():
                 print(f"config {c} failed: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
         return min(res, key=lambda r: r[0])
 
+    def shapes(group, full, tiny):  # the shapes of a group of rows: none where --only leaves it out
+        return [] if group not in only else tiny if smoke else full
+
+    def add(row):  # a measured row, said at once (a whole run takes minutes)
+        rows.append(row)
+        print(f"{time.strftime('%H:%M:%S')} {row['kernel']} {row['shape']}: {1e3 * row['ms']:.1f} us", file=sys.stderr, flush=True)
+
     def randn(*shape, dtype=torch.float32):
         return torch.randn(*shape, device=dev, generator=gen).to(dtype)
 
@@ -147,6 +163,8 @@ def main():
         try:
             row["tilelang_agree"] = agree(ours(), theirs())
             row["tilelang_ms"] = timed(theirs, graph)
+            print(f"{time.strftime('%H:%M:%S')}   TileLang: {1e3 * row['tilelang_ms']:.1f} us, {row['tilelang_agree']}",
+                  file=sys.stderr, flush=True)
         except Exception as e:                                      # the row keeps ours; the failure is said
             row["tilelang_agree"] = f"TileLang failed: {type(e).__name__}"
             print(f"TileLang, {row['kernel']} {row['shape']}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
@@ -163,7 +181,7 @@ def main():
     J, D = (64, 128) if not smoke else (16, 128)
     f8 = torch.float8_e4m3fn
     cfg = None
-    for T, S in [(4096, 8192), (4096, 32768), (4096, 65536)] if not smoke else [(8, 40)]:
+    for T, S in shapes("indexer-prefill", [(4096, 8192), (4096, 32768), (4096, 65536)], [(8, 40)]):
         q, k, w, ks = randn(1, T, J, D, dtype=f8), randn(1, S, D, dtype=f8), randn(1, T, J), torch.rand(1, S, device=dev) + 0.5
         fn = lambda **c: kernels_cuda.index_scores(q, w, k, ks, S - T, **c)
         ms, cfg = best(fn, IDX_CONFIGS) if cfg is None else (timed(lambda: fn(**cfg)), cfg)
@@ -174,31 +192,32 @@ def main():
                 s = torch.einsum("tjd,sd->tjs", qb[0, t0:t0 + step], kb[0]).relu_().float()
                 (s * w[0, t0:t0 + step, :, None]).sum(1) * ks
         pairs = T * S - T * (T - 1) // 2
-        rows.append(dict(kernel="indexer prefill", shape=f"T={T} S={S}", ms=ms, baseline_ms=timed(torch_scores),
-                         flops=2 * pairs * J * D, fp8=True, config=cfg))
+        add(dict(kernel="indexer prefill", shape=f"T={T} S={S}", ms=ms, baseline_ms=timed(torch_scores),
+                 flops=2 * pairs * J * D, fp8=True, config=cfg))
         if tilelang:                                    # their row t sees keys [0, S - T + t]: ours, causal
             starts, ends = torch.zeros(T, dtype=torch.int32, device=dev), (S - T + 1 + torch.arange(T, device=dev)).int()
             beside(rows[-1], lambda: fn(**cfg)[0], lambda: tilelang.fp8_lighting_indexer.mqa_attn_return_logits_interface(
                 q[0], k[0], ks[0], w[0], starts, ends), rel_diff)
     cfg = None
-    for B, L in [(64, 65536), (64, 16384), (8, 65536), (1, 65536), (1, 16384)] if not smoke else [(2, 40)]:
+    for B, L in shapes("indexer-decode", [(64, 65536), (64, 16384), (8, 65536), (1, 65536), (1, 16384)], [(2, 40)]):
         q, k, w, ks = randn(B, 1, J, D, dtype=f8), randn(B, L, D, dtype=f8), randn(B, 1, J), torch.rand(B, L, device=dev) + 0.5
         fn = lambda **c: kernels_cuda.index_scores(q, w, k, ks, L - 1, **c)
         ms, cfg = best(fn, IDX_DECODE_CONFIGS, True) if cfg is None else (timed(lambda: fn(**cfg), True), cfg)
         qb, kb = q.to(torch.bfloat16), k.to(torch.bfloat16)
         base = timed(lambda: (torch.einsum("bjd,bsd->bjs", qb[:, 0], kb).relu_().float() * w[:, 0, :, None]).sum(1) * ks, True)
-        rows.append(dict(kernel="indexer decode", shape=f"B={B} L={L}", ms=ms, baseline_ms=base,
-                         bytes=B * L * (D + 4 + 4), config=cfg))
+        add(dict(kernel="indexer decode", shape=f"B={B} L={L}", ms=ms, baseline_ms=base,
+                 bytes=B * L * (D + 4 + 4), config=cfg))
 
     # ---- top-k 2048
     KT = 2048 if not smoke else 8
     cfg = None
-    for B, L in [(64, 65536), (1, 4096), (1, 16384), (1, 65536), (64, 4096), (64, 16384), (64, 131072)] if not smoke else [(2, 40)]:
+    for B, L in shapes("top-k", [(64, 65536), (1, 4096), (1, 16384), (1, 65536), (64, 4096), (64, 16384), (64, 131072)],
+                       [(2, 40)]):
         sc = randn(B, 1, L)
         fn = lambda **c: kernels_cuda.topk_indices(sc, KT, L - 1, **c)
         ms, cfg = best(fn, TOPK_CONFIGS, True) if cfg is None else (timed(lambda: fn(**cfg), True), cfg)
-        rows.append(dict(kernel="top-k decode", shape=f"B={B} L={L} k={KT}", ms=ms,
-                         baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1), True), bytes=4 * B * L, config=cfg))
+        add(dict(kernel="top-k decode", shape=f"B={B} L={L} k={KT}", ms=ms,
+                 baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1), True), bytes=4 * B * L, config=cfg))
         if tilelang:                                    # each row's whole [0, L)
             s2 = sc[:, 0].contiguous()
             lo = torch.zeros(B, dtype=torch.int32, device=dev)
@@ -206,13 +225,13 @@ def main():
             beside(rows[-1], lambda: fn(**cfg)[:, 0], lambda: tilelang.topk_selector.tl_topk(s2, lo, hi, KT),
                    lambda x, y: "same sets" if torch.equal(x.sort(-1).values, y.sort(-1).values.to(x.dtype))
                    else "different sets", graph=True)
-    T, S = (8192, 65536) if not smoke else (8, 40)
-    sc = randn(1, T, S)
-    ms = timed(lambda: kernels_cuda.topk_indices(sc, KT, S - T))          # the defaults for many rows
-    rows.append(dict(kernel="top-k prefill", shape=f"{T} rows, S={S} causal, k={KT}", ms=ms,
-                     baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1)), bytes=4 * (T * S - T * (T - 1) // 2),
-                     config=dict(block=512, num_warps=4)))
-    del sc
+    for T, S in shapes("top-k", [(8192, 65536)], [(8, 40)]):
+        sc = randn(1, T, S)
+        ms = timed(lambda: kernels_cuda.topk_indices(sc, KT, S - T))          # the defaults for many rows
+        add(dict(kernel="top-k prefill", shape=f"{T} rows, S={S} causal, k={KT}", ms=ms,
+                 baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1)), bytes=4 * (T * S - T * (T - 1) // 2),
+                 config=dict(block=512, num_warps=4)))
+        del sc
 
     # ---- sparse MLA decode (packed FP8 and bf16 caches) and prefill (bf16 cache)
     H, C, R, K = (128, 512, 64, 2048) if not smoke else (16, 128, 64, 16)
@@ -236,8 +255,8 @@ def main():
         return idx
 
     cfgs = {}                                          # the best B > 1 configuration of each cache format
-    for B, L, fmt in [(64, 32768, "fp8"), (128, 32768, "fp8"), (1, 65536, "fp8"), (64, 32768, "bf16"), (1, 65536, "bf16")] \
-            if not smoke else [(2, 40, "fp8")]:
+    for B, L, fmt in shapes("mla-decode", [(64, 32768, "fp8"), (128, 32768, "fp8"), (1, 65536, "fp8"), (64, 32768, "bf16"),
+                                           (1, 65536, "bf16")], [(2, 40, "fp8")]):
         cache, kv, pe = cache_of(B, L, fmt)
         qa, qp = randn(B, 1, H, C, dtype=torch.bfloat16), randn(B, 1, H, R, dtype=torch.bfloat16)
         idx = selection(B, 1, L, K)
@@ -253,11 +272,11 @@ def main():
             z = (torch.einsum("bhc,blc->bhl", qa[:, 0], kvb) + torch.einsum("bhr,blr->bhl", qp[:, 0], peb)).float() * scale
             return torch.einsum("bhl,blc->bhc", torch.softmax(z, -1).bfloat16(), kvb)
         base = timed(dense, True) if B * L <= 64 * 32768 else None
-        rows.append(dict(kernel=f"sparse MLA decode ({fmt} cache)", shape=f"B={B} L={L} topk={K}", ms=ms, baseline_ms=base,
-                         flops=2 * B * H * K * (C + R + C), config=c1 if B == 1 else cfgs[fmt]))
+        add(dict(kernel=f"sparse MLA decode ({fmt} cache)", shape=f"B={B} L={L} topk={K}", ms=ms, baseline_ms=base,
+                 flops=2 * B * H * K * (C + R + C), config=c1 if B == 1 else cfgs[fmt]))
         del cache, kv, pe, kvb, peb
     cfg = None
-    for T, L in [(4096, 16384), (4096, 8192), (4096, 65536), (4096, 4096)] if not smoke else [(8, 40)]:
+    for T, L in shapes("mla-prefill", [(4096, 16384), (4096, 8192), (4096, 65536), (4096, 4096)], [(8, 40)]):
         cache, kv, pe = cache_of(1, L, "bf16")
         qa, qp = randn(1, T, H, C, dtype=torch.bfloat16), randn(1, T, H, R, dtype=torch.bfloat16)
         idx = selection(1, T, L, K, causal_end=L - T)              # early queries of a short context: fewer
@@ -274,8 +293,8 @@ def main():
                 z = torch.bmm(q, g.transpose(1, 2)).float() * scale
                 z = z.masked_fill(sel[:, None, :] < 0, float("-inf"))
                 torch.bmm(torch.softmax(z, -1).bfloat16(), g[..., :C])
-        rows.append(dict(kernel="sparse MLA prefill (bf16 cache)", shape=f"T={T} L={L} topk={K}", ms=ms,
-                         baseline_ms=timed(gathered), flops=2 * valid * H * (C + R + C), config=cfg))
+        add(dict(kernel="sparse MLA prefill (bf16 cache)", shape=f"T={T} L={L} topk={K}", ms=ms,
+                 baseline_ms=timed(gathered), flops=2 * valid * H * (C + R + C), config=cfg))
         if tilelang:                                    # their kernel: q and key rows whole, selections padded with L
             qt, kvt = torch.cat([qa, qp], -1).contiguous(), cache[:, :, None, :].contiguous()
             it = torch.where(idx < 0, L, idx)[:, :, None, :].contiguous()
@@ -303,7 +322,8 @@ def main():
             version = package_version("tilelang")
         except PackageNotFoundError:                    # stand-ins (the tests)
             version = "not installed"
-    bench_gemm.write_kernel_run(a.out, "dsa.json", rows, smoke, render, **({"tilelang": version} if version else {}))
+    more = dict({"tilelang": version} if version else {}, **({"only": a.only} if a.only else {}))
+    bench_gemm.write_kernel_run(a.out, "dsa.json", rows, smoke, render, **more)
 
 
 if __name__ == "__main__":

@@ -106,7 +106,8 @@ def main():
     ap.add_argument("--png")
     ap.add_argument("--max-l", type=int, default=LS[-1], help="largest L to measure (default 128K)")
     ap.add_argument("--profile", action="store_true", help="only print the GPU kernels of one batch-1 decode step "
-                    "of the attention sublayer, sparse and dense (torch.profiler)")
+                    "at the largest L: the whole layer (sparse) and the attention sublayer (sparse and dense), "
+                    "torch.profiler, kernel times summed by name; and the whole step's graph-replayed time")
     a = ap.parse_args()
     if a.render:
         d = json.loads(Path(a.render).read_text())
@@ -177,6 +178,19 @@ def main():
             m.rope_table = ops.angles(*rope.rope_angles(m.freqs, np.arange(m.caches[0].cap)))
             pos = torch.full((), ls[-1], dtype=torch.long, device="cuda")
             ga, step = attention_step(m, 1, pos)
+            if mode == "sparse":                         # the whole layer's step: eager kernels, then its graph
+                tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+                for _ in range(3):
+                    m.decode_static(tok, pos)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    m.decode_static(tok, pos)
+                    torch.cuda.synchronize()
+                g = backend_torch.GraphDecoder(m, 1, ls[-1])
+                t = timed(lambda: g(tok, ls[-1]), 20)
+                print(f"--- sparse, the whole layer's decode step, batch 1, L = {ls[-1]}: {1e6 * t:.1f} us graph-replayed")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+                del g
             for _ in range(3):
                 step()
             torch.cuda.synchronize()

@@ -385,10 +385,11 @@ def test_dsa_and_figure3_tables_render_from_the_stored_runs():
     import bench_dsa
     import bench_fig3
     results = (ROOT / "bench" / "RESULTS.md").read_text()
-    d = json.loads((ROOT / "bench" / "dsa_h200_2026-11-30.json").read_text())
-    table = bench_dsa.render(d["meta"], d["rows"]).splitlines()
-    assert "NVIDIA H200" in table[0] and len(table) == 4 + len(d["rows"])
-    assert all(line in results for line in table[2:])
+    for part in (1, 2):                                  # one run with TileLang beside ours, in two calls (--only)
+        d = json.loads((ROOT / "bench" / f"dsa_h200_2026-12-02_{part}.json").read_text())
+        table = bench_dsa.render(d["meta"], d["rows"]).splitlines()
+        assert "NVIDIA H200" in table[0] and "TileLang 0.1.15" in table[0] and len(table) == 4 + len(d["rows"])
+        assert all(line in results for line in table)
     f = json.loads((ROOT / "bench" / "fig3_h200_2026-11-30.json").read_text())
     assert all(line in results for line in bench_fig3.render(f).splitlines()[2:])
     assert (ROOT / "bench" / "fig3_h200_2026-11-30.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -469,17 +470,26 @@ def test_dsa_benchmark_runs_tilelang_beside_ours(tmp_path):
     for name, src in FAKE_TILELANG.items():
         (tl / f"{name}.py").write_text(src)
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_dsa.py"), "--smoke", "--out", str(tmp_path),
-                        "--tilelang", str(tl)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        "--tilelang", str(tl), "--only", "indexer-prefill,top-k,mla-prefill"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert "| TileLang us | speed vs TileLang | agree |" in lines[2]
     agree = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[-2] for line in lines[4:]}
+    assert set(agree) == {"indexer prefill", "top-k decode", "top-k prefill", "sparse MLA prefill (bf16 cache)"}, agree
+    assert "--only indexer-prefill,top-k,mla-prefill" in lines[0]                     # said in the run's header
+    assert r.stderr.count(" us\n") >= 4                                                # each row said as it is measured
     assert agree["top-k decode"] == "same sets", agree
     for kernel in ("indexer prefill", "sparse MLA prefill (bf16 cache)"):
         assert agree[kernel].startswith("rel diff") and float(agree[kernel].split()[-1]) < 1e-2, agree
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_dsa.py"), "--smoke", "--tilelang", str(tmp_path / "none")],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("bench_dsa: --tilelang"), r.stderr
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_dsa.py"), "--smoke", "--only", "top-k,topk"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == ("bench_dsa: --only top-k,topk: unknown topk "
+                                                                        "(groups: indexer-prefill, indexer-decode, top-k, "
+                                                                        "mla-decode, mla-prefill)"), r.stderr
 
 
 def test_threads_flag(tiny):
