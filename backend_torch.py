@@ -409,9 +409,12 @@ def mlp(x, p, official, *, kern=None):  # moe.mlp_ref: w2( silu(w1 x) * (w3 x) )
     return linear(rnd(torch.nn.functional.silu(a) * b), p["w2"], official, kern=kern)
 
 
-def gate(x, weight, bias, args):  # moe.gate_ref: [M, d], [E, d], [E] or None -> w [M, K_r] f32, idx [M, K_r]
+def gate(x, weight, bias, args, *, kern=None):  # moe.gate_ref: [M, d], [E, d], [E] or None -> w [M, K_r] f32, idx [M, K_r]
     logits = x.float() @ weight.float().T
     s = torch.sigmoid(logits) if args.scoring_func == "sigmoid" else torch.softmax(logits, -1)
+    if kern is not None:                                                 # the choice and weights in one launch
+        return kern.gate_topk(s, bias, args.num_experts_per_tok, args.n_group, args.topk_group, args.norm_topk_prob,
+                              args.routed_scaling_factor)
     choice = s if bias is None else s + bias
     M, E = s.shape
     G = args.n_group
@@ -440,11 +443,14 @@ def experts(mlps, *, device, kern=None):  # the routed experts -> stacked: w13 [
     return stack
 
 
-def route(idx, E, bm):
+def route(idx, E, bm, *, kern=None):
     """[M, Kt] expert ids -> the grouped GEMM's rows, on the device, no host synchronisation:
     token-expert pairs sorted by expert and padded to bm-row blocks of one expert each.
     -> rows_tok [P] (token of each row, -1 padding), pair_at [P] (pair of each row; padding ->
-    the trash index M*Kt), block_expert [P / bm] (-1: unused block)."""
+    the trash index M*Kt), block_expert [P / bm] (-1: unused block). With a kernel module and a decode
+    step's few pairs: one launch (kernels_moe.route) instead of about fifteen."""
+    if kern is not None and idx.numel() <= kern.ROUTE_MAX:
+        return kern.route(idx, E, bm)
     M, Kt = idx.shape
     device = idx.device
     pairs = M * Kt
@@ -482,7 +488,7 @@ def routed_grouped(x, p, idx, elsewhere=False, *, kern=None):
     the E stacked experts, no host synchronisation. idx [M, Kt] in 0..E-1, or with elsewhere=True
     also E: a pair routed to another rank (parallel.py), whose blocks are skipped. -> [M, Kt, d]."""
     E = p["w13"].w.shape[0]
-    rows_tok, pair_at, block_expert = route(idx, E + elsewhere, 16)
+    rows_tok, pair_at, block_expert = route(idx, E + elsewhere, 16, kern=kern)
     if elsewhere:
         block_expert = torch.where(block_expert == E, -1, block_expert)
     q, s = act_quant(x, kern=kern)
@@ -531,13 +537,14 @@ def weighted_sum(w, idx, out):  # [M, Kt], [M, Kt], [M, Kt, d] -> [M, d]: in fp3
 def moe(x, p, args, official, *, kern=None):  # moe.moe_ref: routed experts in expert-id order, shared last
     """Routed experts through the grouped GEMM over all experts' stacked weights (on the CPU, in
     exact numerics or with bf16 experts: one expert at a time on its tokens' rows)."""
-    w, idx = gate(x, p["gate"].w, p.get("gate_bias"), args)
-    if kern is not None and official and p["w13"].scale is not None:
-        out = routed_grouped(x, p, idx, kern=kern)
-    else:
-        out = routed_loop(x, p, idx, official, kern=kern)
-    y = weighted_sum(w, idx, out) + mlp(x, p["shared_experts"], official, kern=kern)
-    return bf16_round(y, kern=kern) if official else y
+    grouped_ = kern is not None and official and p["w13"].scale is not None
+    w, idx = gate(x, p["gate"].w, p.get("gate_bias"), args, kern=kern if grouped_ else None)
+    out = routed_grouped(x, p, idx, kern=kern) if grouped_ else routed_loop(x, p, idx, official, kern=kern)
+    shared = mlp(x, p["shared_experts"], official, kern=kern)
+    if kern is not None:                                                 # the sum, the shared part, the rounding
+        return kern.moe_combine(out, w, idx, shared, official)
+    y = weighted_sum(w, idx, out) + shared
+    return bf16_round(y) if official else y
 
 
 def expert_linear(x, ffn, e, name, *, kern=None):  # one expert's w1 / w3 / w2 through the fast path's own layout
@@ -927,15 +934,22 @@ def moe_v4(x, p, args, official, tokens, weight_inside=False, *, kern=None, v4k=
     s = f64(act, logits)
     if "tid2eid" in p:
         idx = p["tid2eid"][tokens]
+    elif v4k is not None:                                                # the choice and weights in one launch
+        w, idx = v4k.gate_topk(s, p["gate_bias"], args.num_experts_per_tok, 1, 1, args.norm_topk_prob,
+                               args.routed_scaling_factor)
     else:
         idx = torch.sort(-(s + p["gate_bias"]), dim=-1, stable=True).indices[:, :args.num_experts_per_tok]
-    w = s.gather(1, idx)
-    w = w / w.sum(-1, keepdim=True) * np.float32(args.routed_scaling_factor) if args.norm_topk_prob \
-        else w * np.float32(args.routed_scaling_factor)
+    if "tid2eid" in p or v4k is None:
+        w = s.gather(1, idx)
+        w = w / w.sum(-1, keepdim=True) * np.float32(args.routed_scaling_factor) if args.norm_topk_prob \
+            else w * np.float32(args.routed_scaling_factor)
     rnd = bf16_round if official else no_round
     e0 = p.get("expert_range", (0,))[0]                 # parallel.py: this rank's experts start at e0
     if "w13" in p:
         out = routed_v4(x, p, idx, w if weight_inside else None, args, official, e0, kern=kern, v4k=v4k)
+        if v4k is not None:                                              # the sum, the shared part, the rounding
+            shared = swiglu_v4(x, p["shared_experts"], args, official, kern=kern)
+            return v4k.moe_combine(out, torch.ones_like(w) if weight_inside else w, idx, shared, official)
         y = weighted_sum(torch.ones_like(w) if weight_inside else w, idx, out)   # fp32, each token's in id order
     else:
         y = torch.zeros(x.shape, device=x.device)
@@ -988,7 +1002,7 @@ def routed_v4(x, p, idx, w, args, official, e0=0, *, kern=None, v4k=None):
                                        kern=kern)
         return out
     fp4 = W13.w.dtype == torch.uint8
-    rows, pair_at, block_expert = route(torch.where(held, local, E), E + 1, 16)   # E: elsewhere, its blocks skipped
+    rows, pair_at, block_expert = route(torch.where(held, local, E), E + 1, 16, kern=v4k)   # E: elsewhere: skipped
     block_expert = torch.where(block_expert == E, -1, block_expert)
 
     def gemm(q, s, W, r):  # [P, N] bf16 values

@@ -9,6 +9,15 @@ Number formats and GEMMs, in kernels_fp8.py (its docstring has the details), re-
     bf16_round  float32 -> the nearest bf16 values, one launch     reference: quant.bf16_round
     rms_norm    a row's RMSNorm (V3.2's and V4's), one launch     reference: attention.rms_norm_ref, compressor.rms_norm
 
+The routed experts' bookkeeping, in kernels_moe.py, re-exported here (a decode step's MoE layer ran it as
+about forty small torch kernels):
+    gate_topk   the experts' choice (groups, top-K, ties toward the lower index) and weights
+                                                                  reference: moe.gate_ref after the scores
+    route       the grouped GEMM's rows: pairs sorted by expert, padded to blocks
+                                                                  reference: backend_torch.route
+    moe_combine the weighted sum in expert-id order, + the shared experts, the bf16 rounding
+                                                                  reference: moe.moe_ref's accumulation
+
 RoPE, here (its jit helper _rope serves index_prep too):
     rope        RoPE in either layout: elementwise glue, one launch
                                                     reference: rope.rope_interleaved / rope.rope_half_split
@@ -46,6 +55,7 @@ import quant
 from kernels_fp8 import (FP8, FP8_MAX, MOE_BLOCK_M, RMS_NORM_MAX, act_quant, bf16_round, fp8_gemm,  # noqa: F401
                          moe_gemm, rms_norm, sm_count)
 from kernels_fp8 import _bf16_round, _e4m3_decode, _interpreted, _ue8m0_quant   # the DSA kernels' helpers
+from kernels_moe import ROUTE_MAX, gate_topk, moe_combine, route  # noqa: F401  the routed experts' bookkeeping
 from kernels_v4 import (compress_keys, fp4_gemm, fp4_moe_gemm, hc_mix_pre, hc_post, index_scores_v4,  # noqa: F401  V4
                        sparse_attention)
 

@@ -1,4 +1,5 @@
-"""The fast path's kernels for AMD GPUs (ROCm): act_quant, fp8_gemm, moe_gemm, rope, bf16_round and the
+"""The fast path's kernels for AMD GPUs (ROCm): act_quant, fp8_gemm, moe_gemm, rope, bf16_round, rms_norm, the
+routed experts' bookkeeping (gate_topk, route, moe_combine: kernels_moe.py, integers and fp32) and the
 DSA kernels (index_prep, index_scores, topk_indices, sparse_mla_decode, sparse_mla_prefill) under the
 same names as in kernels_cuda.py (act_quant, fp8_gemm, moe_gemm and bf16_round re-exported there from
 kernels_fp8.py), from the same Triton sources, with what differs by architecture kept as data below.
@@ -75,6 +76,7 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, arch=None):
 
 
 rope, bf16_round, rms_norm, RMS_NORM_MAX = _k.rope, _k.bf16_round, _k.rms_norm, _k.RMS_NORM_MAX   # fp32: all the same
+gate_topk, route, moe_combine, ROUTE_MAX = _k.gate_topk, _k.route, _k.moe_combine, _k.ROUTE_MAX      # integers and fp32
 
 
 def _int8_route(route, arch):  # route "int8", "fp16" or None (the architecture's) -> int8?

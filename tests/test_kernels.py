@@ -2,6 +2,7 @@
 for real (bit for bit), on the CPU under TRITON_INTERPRET=1 (set in conftest.py), where the
 interpreter's fp32->fp8 cast is defective (spec/kernels.md §4.3: about 1.3% of values come out a
 factor of two off, exactly): there, and only there, codes may differ by exactly that factor."""
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -256,6 +257,102 @@ def test_moe_gemm_kernel(M, Kt, E, N, K, seed):
         w, s = ws[idx[t, slot]]
         ref = quant.fp8_gemm(a[t:t + 1], sa[t:t + 1], w, s)[0]
         assert np.abs(got[p] - ref).max() <= 2.0 ** -13 * (K // 128) * np.abs(ref).max() + 1e-30
+
+
+# the routed experts' bookkeeping (kernels_moe.py): choice and weights, the grouped GEMM's rows, the sum
+
+@settings(max_examples=12)
+@given(st.integers(1, 6), st.sampled_from([(256, 8, 4, 8), (16, 4, 2, 3), (8, 1, 1, 2), (12, 3, 2, 4), (64, 8, 3, 6)]),
+       st.booleans(), st.booleans(), st.sampled_from([0, 2, 64]), st.integers(0, 2 ** 31))
+def test_gate_topk_kernel(M, shape, biased, norm, grid, seed):
+    # against moe.gate_ref on the same scores (an identity router: logits = x); grid > 0 draws the logits
+    # and the bias from a grid of that many steps: exact ties, within groups, between groups and in the top-K
+    import moe
+    E, G, TG, K = shape
+    rng = np.random.default_rng(seed)
+    draw = (lambda *sh: rng.integers(-grid, grid + 1, sh) / max(grid, 1)) if grid else (lambda *sh: rng.standard_normal(sh))
+    x = draw(M, E).astype(np.float32)
+    bias = draw(E).astype(np.float32) / 4 if biased else None
+    a = SimpleNamespace(scoring_func="sigmoid", n_group=G, topk_group=TG, num_experts_per_tok=K, norm_topk_prob=norm,
+                        routed_scaling_factor=2.5)
+    w_ref, idx_ref = moe.gate_ref(x, np.eye(E, dtype=np.float32), bias, a)
+    s = 1 / (1 + np.exp(-x))                                                 # gate_ref's scores, the same NumPy ops
+    w, idx = kernels_cuda.gate_topk(torch.from_numpy(s).to(DEV), None if bias is None else torch.from_numpy(bias).to(DEV),
+                                    K, G, TG, norm, 2.5)
+    np.testing.assert_array_equal(idx.cpu().numpy(), idx_ref)                # comparisons only: the same choice
+    np.testing.assert_allclose(w.cpu().numpy(), w_ref, rtol=4 * K * 2.0 ** -24, atol=0)   # the sum's order may differ
+
+
+@settings(max_examples=12)
+@given(st.integers(1, 70), st.integers(1, 8), st.integers(1, 300), st.booleans(), st.integers(0, 2 ** 31))
+def test_route_kernel(M, Kt, E, crowded, seed):
+    # the same tables as backend_torch.route (torch's stable sort by expert), and what they mean, checked in NumPy
+    import backend_torch
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, min(E, 3) if crowded else E, (M, Kt))                # crowded: long runs of one expert
+    it = torch.from_numpy(idx).to(DEV)
+    got = kernels_cuda.route(it, E, 16)
+    for g, r in zip(got, backend_torch.route(it, E, 16)):
+        np.testing.assert_array_equal(g.cpu().numpy(), r.cpu().numpy())
+    rows, pair_at, block_expert = (g.cpu().numpy() for g in got)
+    flat = idx.reshape(-1)
+    live = rows >= 0
+    np.testing.assert_array_equal(pair_at[live], np.argsort(flat, kind="stable"))   # every pair once, by expert
+    assert (rows[live] == pair_at[live] // Kt).all() and (pair_at[~live] == M * Kt).all()
+    assert (block_expert[np.nonzero(live)[0] // 16] == flat[pair_at[live]]).all()  # one expert a block
+    used = np.zeros(len(block_expert), bool)
+    used[np.nonzero(live)[0] // 16] = True
+    assert (block_expert[~used] == -1).all()
+    with pytest.raises(ValueError, match="at most 2048"):
+        kernels_cuda.route(torch.zeros(1025, 2, dtype=torch.int64, device=DEV), E, 16)
+
+
+@settings(max_examples=10)
+@given(st.integers(1, 5), st.integers(1, 8), st.integers(1, 700), st.booleans(), st.integers(0, 2 ** 31))
+def test_moe_combine_kernel(M, Kt, d, official, seed):
+    # moe.moe_ref's sum in NumPy float32: each token's experts in id order, product then sum, the shared part last
+    rng = np.random.default_rng(seed)
+    idx = np.stack([rng.choice(16, Kt, replace=False) for _ in range(M)])
+    out = rng.standard_normal((M, Kt, d)).astype(np.float32)
+    w = rng.random((M, Kt)).astype(np.float32)
+    shared = rng.standard_normal((M, d)).astype(np.float32)
+    want = np.zeros((M, d), np.float32)
+    for e in range(16):                                                      # as moe_ref: ascending expert id
+        tok, slot = np.nonzero(idx == e)
+        want[tok] += out[tok, slot] * w[tok, slot, None]
+    want = want + shared
+    want = quant.bf16_round(want) if official else want
+    got = kernels_cuda.moe_combine(*(torch.from_numpy(a).to(DEV) for a in (out, w, idx, shared)), official)
+    np.testing.assert_array_equal(got.cpu().numpy(), want)                   # bit for bit
+
+
+def test_moe_takes_the_bookkeeping_kernels():
+    # backend_torch.moe with the kernels (FP8 experts, official numerics: the grouped GEMM) equals the same
+    # layer with its bookkeeping in torch ops (gate's sorts, route's scatters, weighted_sum's loop), bit for
+    # bit, for a decode step's tokens, and where route's one program would take too many pairs
+    import backend_torch
+    rng = np.random.default_rng(3)
+    E, d, I = 16, 128, 128
+    a = SimpleNamespace(scoring_func="sigmoid", n_group=4, topk_group=2, num_experts_per_tok=3, norm_topk_prob=True,
+                        routed_scaling_factor=2.5)
+
+    def fp8(n, k):  # a checkpoint FP8 weight
+        return quant.Weight(*quant.weight_quant(rng.standard_normal((n, k)).astype(np.float32) / 8))
+    dev = partial(backend_torch.weight, device=DEV, kern=kernels_cuda)
+    p = dict(backend_torch.experts([{"w1": fp8(I, d), "w3": fp8(I, d), "w2": fp8(d, I)} for _ in range(E)], device=DEV,
+                                   kern=kernels_cuda),
+             gate=quant.Weight(torch.from_numpy(rng.standard_normal((E, d)).astype(np.float32) / 8).to(DEV), None),
+             gate_bias=torch.from_numpy(rng.standard_normal(E).astype(np.float32) / 8).to(DEV),
+             shared_experts={k: dev(fp8(*sh)) for k, sh in (("w1", (I, d)), ("w3", (I, d)), ("w2", (d, I)))})
+    torch_route = SimpleNamespace(**vars(kernels_cuda))
+    torch_route.ROUTE_MAX = 8                                                # more pairs: backend_torch.route in torch ops
+    for M, kern in ((2, kernels_cuda), (7, kernels_cuda), (7, torch_route)):
+        x = torch.from_numpy(quant.bf16_round(rng.standard_normal((M, d)).astype(np.float32))).to(DEV)
+        got = backend_torch.moe(x, p, a, True, kern=kern)
+        w, idx = backend_torch.gate(x, p["gate"].w, p["gate_bias"], a)
+        out = backend_torch.routed_grouped(x, p, idx, kern=torch_route)
+        y = backend_torch.weighted_sum(w, idx, out) + backend_torch.mlp(x, p["shared_experts"], True, kern=kernels_cuda)
+        np.testing.assert_array_equal(got.cpu().numpy(), backend_torch.bf16_round(y).cpu().numpy())
 
 
 @settings(max_examples=10)
