@@ -167,7 +167,8 @@ def derive_weights(w, args, opts):
     - head_f32: the output head in fp32 (the official head GEMM runs in fp32);
     - per layer, W_UK [H, N, C] and W_UV [H, V, C], wkv_b split per head for the absorbed form
       (bf16 values in official numerics; ops.absorb);
-    - the indexer's weights_proj in fp32 (an fp32 projection in the official code);
+    - the indexer's weights_proj and the router's gate in fp32 (fp32 projections in the official code;
+      a bf16 gate was widened inside every decode step: a 7 MB copy per MoE layer);
     - with ops.fuse_rows (official numerics): the linears of one input as row blocks of one weight,
       the groups of mla_forward's ops.linears."""
     ops, H, N = opts.ops, args.num_attention_heads, args.qk_nope_head_dim
@@ -184,7 +185,10 @@ def derive_weights(w, args, opts):
                     d[name] = W
         p["W_UK"], p["W_UV"] = ops.absorb(p["wkv_b"], H, N, opts.official)
         idx["weights_proj"] = quant.Weight(ops.to_f32(ops.dequant(idx["weights_proj"])), None)
-        layers.append(dict(layer, attn=p))
+        ffn = layer["ffn"]
+        if "gate" in ffn:
+            ffn = dict(ffn, gate=quant.Weight(ops.to_f32(ops.dequant(ffn["gate"])), None))
+        layers.append(dict(layer, attn=p, ffn=ffn))
     return dict(w, layers=layers, head_f32=ops.to_f32(w["head"]))
 
 

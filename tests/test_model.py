@@ -133,6 +133,20 @@ def exact(ckpt):
     return Transformer.from_pretrained(ckpt, numerics="exact")
 
 
+def test_weights_derived_at_load(ckpt, exact):
+    # what a step reads in fp32 is made once at load, with the checkpoint's values (bf16 -> fp32 is exact)
+    from checkpoint import Checkpoint
+    ck = Checkpoint(ckpt)
+    for i, layer in enumerate(exact.w["layers"]):
+        if "gate" not in layer["ffn"]:
+            continue                                                           # a dense-FFN layer
+        gate = layer["ffn"]["gate"].w
+        stored = ck.get(f"model.layers.{i}.mlp.gate.weight")
+        assert gate.dtype == np.float32 and np.array_equal(gate, np.asarray(stored, np.float32))
+        assert layer["attn"]["indexer"]["weights_proj"].w.dtype == np.float32
+    assert exact.w["head_f32"].dtype == np.float32
+
+
 def test_decode_step_by_step_equals_one_prefill(exact):
     tokens = np.random.default_rng(0).integers(0, 2048, (2, 72))       # sparse (topk 8), cache grows past 64
     full = exact.forward(tokens, all_positions=True)
