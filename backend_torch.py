@@ -420,15 +420,25 @@ def gate(x, weight, bias, args, *, kern=None):  # moe.gate_ref: [M, d], [E, d], 
     G = args.n_group
     if G > 1:
         grouped = choice.reshape(M, G, E // G)
-        group_score = grouped.amax(-1) if bias is None else grouped.topk(2, -1).values.sum(-1)
+        group_score = grouped.amax(-1) if bias is None else grouped.topk(min(2, E // G), -1).values.sum(-1)
         keep = torch.sort(-group_score, dim=-1, stable=True).indices[:, :args.topk_group]
         in_kept = torch.zeros(M, G, dtype=torch.bool, device=x.device).scatter_(1, keep, True)
         choice = choice.masked_fill(~in_kept.repeat_interleave(E // G, 1), -float("inf"))
     idx = torch.sort(-choice, dim=-1, stable=True).indices[:, :args.num_experts_per_tok]
+    return gate_weights(s, idx, args), idx
+
+
+def gate_weights(s, idx, args):  # eqs. (13)-(14): [M, E] scores, [M, K] chosen -> [M, K] weights, f32
+    """The chosen scores over their sum (norm_topk_prob), times routed_scaling_factor; the K scores summed
+    one by one in idx's order (best first), as kernels_moe.gate_topk sums them, so that the two agree
+    bit for bit (NumPy's pairwise sum in moe.gate_ref: within fp32 rounding)."""
     w = s.gather(1, idx)
     if args.norm_topk_prob:
-        w = w / w.sum(-1, keepdim=True)
-    return w * np.float32(args.routed_scaling_factor), idx
+        total = w[:, 0]
+        for k in range(1, w.shape[1]):
+            total = total + w[:, k]
+        w = w / total[:, None]
+    return w * np.float32(args.routed_scaling_factor)
 
 
 def experts(mlps, *, device, kern=None):  # the routed experts -> stacked: w13 [E, 2I, d] (gate rows, then up), w2 [E, d, I]
@@ -940,9 +950,7 @@ def moe_v4(x, p, args, official, tokens, weight_inside=False, *, kern=None, v4k=
     else:
         idx = torch.sort(-(s + p["gate_bias"]), dim=-1, stable=True).indices[:, :args.num_experts_per_tok]
     if "tid2eid" in p or v4k is None:
-        w = s.gather(1, idx)
-        w = w / w.sum(-1, keepdim=True) * np.float32(args.routed_scaling_factor) if args.norm_topk_prob \
-            else w * np.float32(args.routed_scaling_factor)
+        w = gate_weights(s, idx, args)
     rnd = bf16_round if official else no_round
     e0 = p.get("expert_range", (0,))[0]                 # parallel.py: this rank's experts start at e0
     if "w13" in p:

@@ -31,6 +31,8 @@ ROUTE_MAX = 2048                                       # the most token-expert p
 @triton.jit
 def _gate_topk_kernel(S, BIAS, W, IDX, E, scale, HAS_BIAS: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
                       K: tl.constexpr, NORM: tl.constexpr, E_P: tl.constexpr, G_P: tl.constexpr, K_P: tl.constexpr):
+    """Reference: moe.gate_ref from its scores on (backend_torch.gate). One program a token: its E scores
+    in registers, every choice a max and then the lowest index holding it (a stable sort's tie rule)."""
     m = tl.program_id(0)
     e = tl.arange(0, E_P)
     ok = e < E
@@ -44,10 +46,10 @@ def _gate_topk_kernel(S, BIAS, W, IDX, E, scale, HAS_BIAS: tl.constexpr, G: tl.c
         in_g = ((e[None, :] // (E // G)) == g[:, None]) & ok[None, :]                # [G_P, E_P]
         c2 = tl.where(in_g, choice[None, :], float("-inf"))
         top1 = tl.max(c2, 1)                                                          # [G_P]
-        if HAS_BIAS:                                                 # + the group's second best (top-1 removed once)
+        if HAS_BIAS and E // G > 1:                                  # + the group's second best (top-1 removed once)
             first = tl.min(tl.where(c2 == top1[:, None], e[None, :], E_P), 1)
             score = tl.max(tl.where(e[None, :] == first[:, None], float("-inf"), c2), 1) + top1
-        else:
+        else:                                                        # (a group of one: its top-2 is its top-1)
             score = top1
         kept = g < 0
         for _ in tl.static_range(TOPK_GROUP):                        # the best left, ties toward the lower group
@@ -56,24 +58,29 @@ def _gate_topk_kernel(S, BIAS, W, IDX, E, scale, HAS_BIAS: tl.constexpr, G: tl.c
             kept = kept | (g == tl.min(tl.where(live & (score == best), g, G_P), 0))
         choice = tl.where(tl.max(tl.where(in_g & kept[:, None], 1, 0), 0) > 0, choice, float("-inf"))
     k = tl.arange(0, K_P)
-    idx = tl.zeros((K_P,), tl.int32)
+    idx = tl.zeros((K_P,), tl.int32)                                                  # [K_P], best first
     w = tl.zeros((K_P,), tl.float32)
+    total = tl.zeros((), tl.float32)
     avail = ok
     for j in tl.static_range(K):                                     # the best left, ties toward the lower index
         best = tl.max(tl.where(avail, choice, float("-inf")), 0)
         i = tl.min(tl.where(avail & (choice == best), e, E_P), 0)
+        s_i = tl.sum(tl.where(e == i, s, 0.0), 0)                                     # its s, not s + b
         idx = tl.where(k == j, i, idx)
-        w = tl.where(k == j, tl.sum(tl.where(e == i, s, 0.0), 0), w)                 # its s, not s + b
+        w = tl.where(k == j, s_i, w)
+        total = total + s_i                                          # summed in this order, as backend_torch.gate_weights
         avail = avail & (e != i)
     if NORM:
-        w = w / tl.sum(w, 0)                                                          # eq. (14), no epsilon
+        w = tl.div_rn(w, total)                                                       # eq. (14), no epsilon
     tl.store(W + m * K + k, w * scale, mask=k < K)
     tl.store(IDX + m * K + k, idx.to(tl.int64), mask=k < K)
 
 
 def gate_topk(s, bias, k, n_group=1, topk_group=1, norm=True, scale=1.0):
     """s [M, E] float32 scores (sigmoid or softmax of the router's logits), bias [E] or None -> w [M, k]
-    float32, idx [M, k] int64 (best first): moe.gate_ref's choice and weights from its scores."""
+    float32, idx [M, k] int64 (best first): moe.gate_ref's choice (the same, from the same scores) and
+    weights (the k scores summed best first, as backend_torch.gate_weights: bit for bit that, within
+    fp32 rounding of NumPy's pairwise sum)."""
     M, E = s.shape
     if E % n_group or k > E or topk_group > n_group:
         raise ValueError(f"gate_topk: {E} experts in {n_group} groups, top-{k} of the best {topk_group} groups")
@@ -93,6 +100,10 @@ def gate_topk(s, bias, k, n_group=1, topk_group=1, norm=True, scale=1.0):
 @triton.jit
 def _route_kernel(IDX, ROWS, PAIR_AT, BLOCK_EXPERT, n, Kt, P, BM: tl.constexpr, E_P: tl.constexpr, CH: tl.constexpr,
                   FILL: tl.constexpr):
+    """Reference: backend_torch.route. One program for all n pairs: the padding first, then the pairs
+    per expert (a one-hot [CH, E_P] sum) and each expert's first row, then the pairs CH at a time, each
+    to its expert's first row + the pairs of that expert before it (earlier chunks: seen; this chunk:
+    a [CH, CH] comparison)."""
     for p0 in range(0, P, FILL):                                     # padding rows: no token, the trash pair n
         rp = p0 + tl.arange(0, FILL)
         tl.store(ROWS + rp, tl.full((FILL,), -1, tl.int32), mask=rp < P)
@@ -102,7 +113,7 @@ def _route_kernel(IDX, ROWS, PAIR_AT, BLOCK_EXPERT, n, Kt, P, BM: tl.constexpr, 
     counts = tl.zeros((E_P,), tl.int32)                              # pairs per expert
     for c0 in range(0, n, CH):
         i = c0 + tl.arange(0, CH)
-        ex = tl.load(IDX + i, mask=i < n, other=E_P).to(tl.int32)
+        ex = tl.load(IDX + i, mask=i < n, other=E_P).to(tl.int32)                   # [CH] experts (E_P: none)
         counts += tl.sum((ex[:, None] == bins[None, :]).to(tl.int32), 0)
     padded = (counts + BM - 1) // BM * BM
     start = tl.cumsum(padded, 0) - padded                            # each expert's first row
@@ -112,10 +123,10 @@ def _route_kernel(IDX, ROWS, PAIR_AT, BLOCK_EXPERT, n, Kt, P, BM: tl.constexpr, 
     for c0 in range(0, n, CH):
         i = c0 + j
         live = i < n
-        ex = tl.load(IDX + i, mask=live, other=E_P).to(tl.int32)
+        ex = tl.load(IDX + i, mask=live, other=E_P).to(tl.int32)                    # [CH]
         hit = ex[:, None] == bins[None, :]                                            # [CH, E_P]
-        before = tl.sum(((ex[None, :] == ex[:, None]) & (j[None, :] < j[:, None])).to(tl.int32), 1)
-        dest = tl.sum(tl.where(hit, (start + seen)[None, :], 0), 1) + before          # stable: in pair order
+        before = tl.sum(((ex[None, :] == ex[:, None]) & (j[None, :] < j[:, None])).to(tl.int32), 1)  # [CH]: same
+        dest = tl.sum(tl.where(hit, (start + seen)[None, :], 0), 1) + before          # expert, earlier in the chunk
         tl.store(ROWS + dest, (i // Kt).to(tl.int32), mask=live)
         tl.store(PAIR_AT + dest, i.to(tl.int64), mask=live)
         tl.store(BLOCK_EXPERT + dest // BM, ex, mask=live)
@@ -145,11 +156,13 @@ def route(idx, E, bm):
 @triton.jit
 def _moe_combine_kernel(OUT, W, IDX, SHARED, Y, d, KT: tl.constexpr, KT_P: tl.constexpr, BLOCK: tl.constexpr,
                         ROUND: tl.constexpr):
+    """Reference: backend_torch.weighted_sum + the shared part + bf16_round (moe.moe_ref's order). One
+    program a token and BLOCK columns: its slots ranked by expert id (ties: slot order), then added."""
     m, cb = tl.program_id(0), tl.program_id(1)
     cols = cb * BLOCK + tl.arange(0, BLOCK)
     okc = cols < d
     k = tl.arange(0, KT_P)
-    ex = tl.load(IDX + m * KT + k, mask=k < KT, other=2 ** 62)
+    ex = tl.load(IDX + m * KT + k, mask=k < KT, other=2 ** 31 - 1)                # padding: after every expert
     w = tl.load(W + m * KT + k, mask=k < KT, other=0.0)
     earlier = (ex[None, :] < ex[:, None]) | ((ex[None, :] == ex[:, None]) & (k[None, :] < k[:, None]))
     rank = tl.sum(earlier.to(tl.int32), 1)                           # slot k's place in expert-id order

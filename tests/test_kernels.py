@@ -262,11 +262,14 @@ def test_moe_gemm_kernel(M, Kt, E, N, K, seed):
 # the routed experts' bookkeeping (kernels_moe.py): choice and weights, the grouped GEMM's rows, the sum
 
 @settings(max_examples=12)
-@given(st.integers(1, 6), st.sampled_from([(256, 8, 4, 8), (16, 4, 2, 3), (8, 1, 1, 2), (12, 3, 2, 4), (64, 8, 3, 6)]),
+@given(st.integers(1, 6), st.sampled_from([(256, 8, 4, 8), (16, 4, 2, 3), (8, 1, 1, 2), (12, 3, 2, 4), (64, 8, 3, 6),
+                                           (8, 8, 4, 2)]),
        st.booleans(), st.booleans(), st.sampled_from([0, 2, 64]), st.integers(0, 2 ** 31))
 def test_gate_topk_kernel(M, shape, biased, norm, grid, seed):
-    # against moe.gate_ref on the same scores (an identity router: logits = x); grid > 0 draws the logits
-    # and the bias from a grid of that many steps: exact ties, within groups, between groups and in the top-K
+    # against moe.gate_ref on the same scores (an identity router: logits = x), the weights bit for bit
+    # the torch path's (backend_torch.gate_weights); grid > 0 draws the logits and the bias from a grid of that many steps: exact ties,
+    # within groups, between groups and in the top-K
+    import backend_torch
     import moe
     E, G, TG, K = shape
     rng = np.random.default_rng(seed)
@@ -280,7 +283,23 @@ def test_gate_topk_kernel(M, shape, biased, norm, grid, seed):
     w, idx = kernels_cuda.gate_topk(torch.from_numpy(s).to(DEV), None if bias is None else torch.from_numpy(bias).to(DEV),
                                     K, G, TG, norm, 2.5)
     np.testing.assert_array_equal(idx.cpu().numpy(), idx_ref)                # comparisons only: the same choice
-    np.testing.assert_allclose(w.cpu().numpy(), w_ref, rtol=4 * K * 2.0 ** -24, atol=0)   # the sum's order may differ
+    np.testing.assert_allclose(w.cpu().numpy(), w_ref, rtol=4 * K * 2.0 ** -24, atol=0)   # NumPy sums pairwise
+    torch_w = backend_torch.gate_weights(torch.from_numpy(s).to(DEV), idx, a)   # the torch path's eq. (14)
+    np.testing.assert_array_equal(w.cpu().numpy(), torch_w.cpu().numpy())   # the same sum, best first: the same bits
+
+
+def test_gate_topk_sums_best_first():
+    # one score near 1 and seven below half its ulp: summed best first they vanish, summed pairwise (NumPy,
+    # or a tree of lanes) they do not; the kernel's weights are the torch path's, bit for bit
+    import backend_torch
+    x = np.array([[20.0] + [-17.0] * 7], np.float32)
+    s = 1 / (1 + np.exp(-x))
+    assert s[0, 0] == 1 and (s[0, 1:] < 2.0 ** -24).all()                    # below half an ulp of 1
+    a = SimpleNamespace(norm_topk_prob=True, routed_scaling_factor=1.0)
+    w, idx = kernels_cuda.gate_topk(torch.from_numpy(s).to(DEV), None, 8)
+    torch_w = backend_torch.gate_weights(torch.from_numpy(s).to(DEV), idx, a)
+    np.testing.assert_array_equal(w.cpu().numpy(), torch_w.cpu().numpy())
+    assert w[0, 0].item() == 1.0 and (s / s.sum())[0, 0] != 1.0                   # the order shows
 
 
 @settings(max_examples=12)
@@ -308,8 +327,8 @@ def test_route_kernel(M, Kt, E, crowded, seed):
 
 
 @settings(max_examples=10)
-@given(st.integers(1, 5), st.integers(1, 8), st.integers(1, 700), st.booleans(), st.integers(0, 2 ** 31))
-def test_moe_combine_kernel(M, Kt, d, official, seed):
+@given(st.integers(1, 5), st.integers(1, 8), st.integers(1, 2200), st.booleans(), st.integers(0, 2 ** 31))
+def test_moe_combine_kernel(M, Kt, d, official, seed):  # (d > 1024: more than one program's columns)
     # moe.moe_ref's sum in NumPy float32: each token's experts in id order, product then sum, the shared part last
     rng = np.random.default_rng(seed)
     idx = np.stack([rng.choice(16, Kt, replace=False) for _ in range(M)])
@@ -345,8 +364,10 @@ def test_moe_takes_the_bookkeeping_kernels():
              gate_bias=torch.from_numpy(rng.standard_normal(E).astype(np.float32) / 8).to(DEV),
              shared_experts={k: dev(fp8(*sh)) for k, sh in (("w1", (I, d)), ("w3", (I, d)), ("w2", (d, I)))})
     torch_route = SimpleNamespace(**vars(kernels_cuda))
-    torch_route.ROUTE_MAX = 8                                                # more pairs: backend_torch.route in torch ops
-    for M, kern in ((2, kernels_cuda), (7, kernels_cuda), (7, torch_route)):
+    torch_route.ROUTE_MAX = -1                                               # backend_torch.route in torch ops
+    few = SimpleNamespace(**vars(kernels_cuda))
+    few.ROUTE_MAX = 8                                                        # more pairs than that: torch's route
+    for M, kern in ((2, kernels_cuda), (7, kernels_cuda), (7, few)):
         x = torch.from_numpy(quant.bf16_round(rng.standard_normal((M, d)).astype(np.float32))).to(DEV)
         got = backend_torch.moe(x, p, a, True, kern=kern)
         w, idx = backend_torch.gate(x, p["gate"].w, p["gate_bias"], a)
