@@ -551,7 +551,7 @@ def moe(x, p, args, official, *, kern=None):  # moe.moe_ref: routed experts in e
     w, idx = gate(x, p["gate"].w, p.get("gate_bias"), args, kern=kern if grouped_ else None)
     out = routed_grouped(x, p, idx, kern=kern) if grouped_ else routed_loop(x, p, idx, official, kern=kern)
     shared = mlp(x, p["shared_experts"], official, kern=kern)
-    if kern is not None:                                                 # the sum, the shared part, the rounding
+    if grouped_:                                                         # the sum, the shared part, the rounding
         return kern.moe_combine(out, w, idx, shared, official)
     y = weighted_sum(w, idx, out) + shared
     return bf16_round(y) if official else y
@@ -938,24 +938,26 @@ def v4_output(o, p, args, cos, sin, official, kern=None):  # o [B, T, H, c] -> R
 def moe_v4(x, p, args, official, tokens, weight_inside=False, *, kern=None, v4k=None):
     """moe.moe_ref, V4's: sqrtsoftplus or hash routing, the clamped SwiGLU, official numerics' routing
     weight before w2. The routed experts as a list (one at a time, as the reference), or stacked (p["w13"],
-    p["w2"]: ops.v4_experts at load) for routed_v4's grouped GEMMs."""
+    p["w2"]: ops.v4_experts at load) for routed_v4's grouped GEMMs, whose bookkeeping (the choice, the
+    route table, the sum) then runs in kernels_moe's kernels too."""
+    grouped_ = official and v4k is not None and "w13" in p and p["w13"].scale is not None   # routed_v4's GEMMs
     logits = matmul_f32(x.float(), p["gate"].w.float().T)
     act = (lambda v: torch.sqrt(torch.nn.functional.softplus(v))) if args.scoring_func == "sqrtsoftplus" else torch.sigmoid
     s = f64(act, logits)
     if "tid2eid" in p:
         idx = p["tid2eid"][tokens]
-    elif v4k is not None:                                                # the choice and weights in one launch
+    elif grouped_:                                                       # the choice and weights in one launch
         w, idx = v4k.gate_topk(s, p["gate_bias"], args.num_experts_per_tok, 1, 1, args.norm_topk_prob,
                                args.routed_scaling_factor)
     else:
         idx = torch.sort(-(s + p["gate_bias"]), dim=-1, stable=True).indices[:, :args.num_experts_per_tok]
-    if "tid2eid" in p or v4k is None:
+    if "tid2eid" in p or not grouped_:
         w = gate_weights(s, idx, args)
     rnd = bf16_round if official else no_round
     e0 = p.get("expert_range", (0,))[0]                 # parallel.py: this rank's experts start at e0
     if "w13" in p:
         out = routed_v4(x, p, idx, w if weight_inside else None, args, official, e0, kern=kern, v4k=v4k)
-        if v4k is not None:                                              # the sum, the shared part, the rounding
+        if grouped_:                                                     # the sum, the shared part, the rounding
             shared = swiglu_v4(x, p["shared_experts"], args, official, kern=kern)
             return v4k.moe_combine(out, torch.ones_like(w) if weight_inside else w, idx, shared, official)
         y = weighted_sum(torch.ones_like(w) if weight_inside else w, idx, out)   # fp32, each token's in id order
