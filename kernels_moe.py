@@ -1,8 +1,8 @@
 """Triton kernels for the bookkeeping around the routed experts (DeepSeek-V3 report §2.1.2, eqs. (12)-(16)):
 what a decode step of a MoE layer ran as about forty small torch kernels (sorts, scatters, cumsums,
 gathers, a loop of multiply-adds) in three launches. kernels_cuda.py and kernels_rocm.py re-export them
-(nothing here depends on the architecture); backend_torch.moe and moe_v4 call them where a kernel module
-is given.
+(nothing here depends on the architecture); backend_torch.moe and moe_v4 call them on the path of the
+grouped expert GEMMs (official numerics, quantised experts stacked at load).
 
     gate_topk    eq. (16)'s choice: the top-K experts by s + b within the best topk_group groups (a group
                  scores its top-2 biased scores' sum, its top-1 without a bias), ties toward the lower
