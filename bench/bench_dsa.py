@@ -16,7 +16,8 @@ run in the same process, on one GPU, with the measured rooflines.
 Each sequence has its own cache and the selected indices are random and distinct, the L2 is flushed
 before every timed call (bench_gemm.timed), median of 20. Decode rows (and their baselines) are replayed from a CUDA
 graph, as a decode step runs: Python's launch cost (tens of microseconds) is not theirs. The first shape of each kernel sweeps a few tile
-configurations and the rest use the best. `--smoke` runs tiny shapes (on the CPU under
+configurations and the rest use the best; batch-1 rows of top-k and sparse MLA decode (latency) sweep
+their own at every shape. `--smoke` runs tiny shapes (on the CPU under
 TRITON_INTERPRET=1 the timings mean nothing: it only checks that the script runs).
 
     python bench/bench_dsa.py [--out DIR] [--smoke]      (writes DIR/dsa.json, prints the table)
@@ -49,6 +50,12 @@ IDX_CONFIGS = [dict(bq=bq, block_n=n, num_warps=w, num_stages=st) for bq, n, w, 
 IDX_DECODE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n, w, st in
                       [(64, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 3), (64, 4, 5), (256, 4, 3)]]
 TOPK_CONFIGS = [dict(block=b, num_warps=w) for b, w in [(2048, 8), (1024, 4), (4096, 16), (2048, 16), (1024, 8)]]
+# one decode row (latency): its own sweep at every shape, step 1's programs (segments) and the size of step 2's
+# copied-out bin (few) included
+TOPK_B1_CONFIGS = [dict(block=b, num_warps=w, segments=sg, few=f) for b, w, sg, f in
+                   [(2048, 8, None, 256), (1024, 8, None, 256), (4096, 16, None, 256), (1024, 4, None, 256),
+                    (2048, 8, 4, 256), (2048, 8, 16, 256), (2048, 8, 32, 256), (2048, 8, None, 1024),
+                    (2048, 16, 16, 1024), (1024, 8, 16, 512)]]
 MLA_CONFIGS = [dict(block_h=h, block_n=n, num_warps=w, num_stages=st, q_in_loop=ql, halves=hv) for h, n, w, st, ql, hv in
                [(64, 64, 8, 2, True, False), (64, 64, 8, 2, False, False), (64, 64, 8, 1, False, True),
                 (64, 64, 8, 2, False, True), (64, 64, 8, 1, False, False), (64, 32, 8, 2, False, False),
@@ -212,17 +219,21 @@ def main():
     KT = 2048 if not smoke else 8
     cfg = None
     for B, L in shapes("top-k", [(64, 65536), (1, 4096), (1, 16384), (1, 65536), (64, 4096), (64, 16384), (64, 131072)],
-                       [(2, 40)]):
+                       [(2, 40), (1, 40)]):
         sc = randn(B, 1, L)
         fn = lambda **c: kernels_cuda.topk_indices(sc, KT, L - 1, **c)
-        ms, cfg = best(fn, TOPK_CONFIGS, True) if cfg is None else (timed(lambda: fn(**cfg), True), cfg)
+        if B == 1:
+            ms, chosen = best(fn, TOPK_B1_CONFIGS, True)
+        else:
+            ms, cfg = best(fn, TOPK_CONFIGS, True) if cfg is None else (timed(lambda: fn(**cfg), True), cfg)
+            chosen = cfg
         add(dict(kernel="top-k decode", shape=f"B={B} L={L} k={KT}", ms=ms,
-                 baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1), True), bytes=4 * B * L, config=cfg))
+                 baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1), True), bytes=4 * B * L, config=chosen))
         if tilelang:                                    # each row's whole [0, L)
             s2 = sc[:, 0].contiguous()
             lo = torch.zeros(B, dtype=torch.int32, device=dev)
             hi = torch.full((B,), L, dtype=torch.int32, device=dev)
-            beside(rows[-1], lambda: fn(**cfg)[:, 0], lambda: tilelang.topk_selector.tl_topk(s2, lo, hi, KT),
+            beside(rows[-1], lambda: fn(**chosen)[:, 0], lambda: tilelang.topk_selector.tl_topk(s2, lo, hi, KT),
                    lambda x, y: "same sets" if torch.equal(x.sort(-1).values, y.sort(-1).values.to(x.dtype))
                    else "different sets", graph=True)
     for T, S in shapes("top-k", [(8192, 65536)], [(8, 40)]):
