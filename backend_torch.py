@@ -404,8 +404,7 @@ def mlp(x, p, official, *, kern=None):  # moe.mlp_ref: w2( silu(w1 x) * (w3 x) )
         q, s = act_quant(x.reshape(-1, x.shape[-1]))                     # CPU: w1 and w3 share one act_quant
         a, b = fp8_linear(q, s, p["w1"]), fp8_linear(q, s, p["w3"])
         return linear(rnd(torch.nn.functional.silu(a) * b), p["w2"], official).reshape(*x.shape[:-1], -1)
-    a = linear(x, p["w1"], official, kern=kern)
-    b = linear(x, p["w3"], official, kern=kern)
+    a, b = linears(x, [p["w1"], p["w3"]], official, kern=kern)       # one GEMM where derive_weights fused them
     return linear(rnd(torch.nn.functional.silu(a) * b), p["w2"], official, kern=kern)
 
 

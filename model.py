@@ -170,7 +170,8 @@ def derive_weights(w, args, opts):
     - the indexer's weights_proj and the router's gate in fp32 (fp32 projections in the official code;
       a bf16 gate was widened inside every decode step: a 7 MB copy per MoE layer);
     - with ops.fuse_rows (official numerics): the linears of one input as row blocks of one weight,
-      the groups of mla_forward's ops.linears."""
+      the groups of mla_forward's ops.linears, and the SwiGLU's w1 | w3 of the dense MLPs and the shared
+      experts (ops.mlp)."""
     ops, H, N = opts.ops, args.num_attention_heads, args.qk_nope_head_dim
     layers = []
     for layer in w["layers"]:
@@ -188,6 +189,12 @@ def derive_weights(w, args, opts):
         ffn = layer["ffn"]
         if "gate" in ffn:
             ffn = dict(ffn, gate=quant.Weight(ops.to_f32(ops.dequant(ffn["gate"])), None))
+        if ops.fuse_rows is not None and opts.official:
+            if "shared_experts" in ffn:
+                s = ffn["shared_experts"]
+                ffn = dict(ffn, shared_experts=dict(s, **dict(zip(("w1", "w3"), ops.fuse_rows([s["w1"], s["w3"]])))))
+            elif "w1" in ffn:                                         # a dense-FFN layer
+                ffn = dict(ffn, **dict(zip(("w1", "w3"), ops.fuse_rows([ffn["w1"], ffn["w3"]]))))
         layers.append(dict(layer, attn=p, ffn=ffn))
     return dict(w, layers=layers, head_f32=ops.to_f32(w["head"]))
 

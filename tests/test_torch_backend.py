@@ -176,7 +176,7 @@ def test_fused_linears_equal_one_gemm_per_weight(device, blocks, ragged, seed, d
 
 def test_model_projections_share_gemms(ckpt):
     """The model lays out wq_a | wkv_a | the indexer's wk and wq_b | the indexer's wq_b as one weight each
-    (sparse attention; dense leaves the indexer's out), in official numerics only."""
+    (sparse attention; dense leaves the indexer's out), and each SwiGLU's w1 | w3, in official numerics only."""
     def one(*Ws):  # row blocks of one weight
         return Ws[0].w._base is not None and all(W.w._base is Ws[0].w._base for W in Ws)
     p = Transformer.from_pretrained(ckpt, backend="torch").w["layers"][0]["attn"]
@@ -185,6 +185,13 @@ def test_model_projections_share_gemms(ckpt):
     assert one(p["wq_a"], p["wkv_a"]) and not one(p["wq_a"], p["indexer"]["wk"]) and not one(p["wq_b"], p["indexer"]["wq_b"])
     p = Transformer.from_pretrained(ckpt, backend="torch", numerics="exact").w["layers"][0]["attn"]
     assert not one(p["wq_a"], p["wkv_a"])
+    # and the SwiGLU's w1 | w3: a dense-FFN layer's and the shared experts' (ops.mlp: one GEMM, one act_quant)
+    layers = Transformer.from_pretrained(ckpt, backend="torch").w["layers"]
+    dense, moe_ = layers[0]["ffn"], layers[-1]["ffn"]["shared_experts"]
+    assert "gate" not in layers[0]["ffn"] and "gate" in layers[-1]["ffn"]
+    assert one(dense["w1"], dense["w3"]) and one(moe_["w1"], moe_["w3"])
+    assert not one(*(Transformer.from_pretrained(ckpt, backend="torch", numerics="exact").w["layers"][-1]["ffn"]
+                     ["shared_experts"][k] for k in ("w1", "w3")))
 
 
 def test_cpu_fp8_decode_and_gemm_bit_for_bit():
