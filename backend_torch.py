@@ -553,7 +553,7 @@ def moe(x, p, args, official, *, kern=None):  # moe.moe_ref: routed experts in e
     if grouped_:                                                         # the sum, the shared part, the rounding
         return kern.moe_combine(out, w, idx, shared, official)
     y = weighted_sum(w, idx, out) + shared
-    return bf16_round(y) if official else y
+    return bf16_round(y, kern=kern) if official else y
 
 
 def expert_linear(x, ffn, e, name, *, kern=None):  # one expert's w1 / w3 / w2 through the fast path's own layout
