@@ -189,12 +189,12 @@ def derive_weights(w, args, opts):
         ffn = layer["ffn"]
         if "gate" in ffn:
             ffn = dict(ffn, gate=quant.Weight(ops.to_f32(ops.dequant(ffn["gate"])), None))
-        if ops.fuse_rows is not None and opts.official:
+        if ops.fuse_rows is not None and opts.official:              # a SwiGLU's w1 | w3: one weight
+            fused = lambda m: dict(m, **dict(zip(("w1", "w3"), ops.fuse_rows([m["w1"], m["w3"]]))))  # noqa: E731
             if "shared_experts" in ffn:
-                s = ffn["shared_experts"]
-                ffn = dict(ffn, shared_experts=dict(s, **dict(zip(("w1", "w3"), ops.fuse_rows([s["w1"], s["w3"]])))))
-            elif "w1" in ffn:                                         # a dense-FFN layer
-                ffn = dict(ffn, **dict(zip(("w1", "w3"), ops.fuse_rows([ffn["w1"], ffn["w3"]]))))
+                ffn = dict(ffn, shared_experts=fused(ffn["shared_experts"]))
+            elif "w1" in ffn:                                        # a dense-FFN layer
+                ffn = fused(ffn)
         layers.append(dict(layer, attn=p, ffn=ffn))
     return dict(w, layers=layers, head_f32=ops.to_f32(w["head"]))
 
