@@ -169,24 +169,21 @@ def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER,
 @triton.jit
 def _fp8_gemm_combine_kernel(P, SA, SB, C, M, N, NUM_KB, BLOCK_N: tl.constexpr, KB_TILE: tl.constexpr):
     """C [M, N] = sum over kb in order of P[kb] * (sa[m, kb] sb[n // 128, kb]), the fp32 operations of
-    _fp8_gemm_kernel's loop. One warp per (row, BLOCK_N columns within one weight scale block); KB_TILE
-    blocks' partials are loaded at once, each thread holding all KB_TILE rows of its columns, so
-    picking row j (x + -0 = x) and the in-order sum stay inside the thread. Rows past NUM_KB read as
-    0 and add +0, which leaves the sum as it is (it starts at +0 and, rounding to nearest, never
-    becomes -0)."""
+    _fp8_gemm_kernel's loop. One warp per (row, BLOCK_N columns within one weight scale block); the
+    KB_TILE blocks' partials of a step are KB_TILE independent loads, issued together (one trip to L2
+    a step, not one a block), then added in order. Blocks past NUM_KB read as 0 and add +0, which
+    leaves the sum as it is (it starts at +0 and, rounding to nearest, never becomes -0)."""
     m, nb = tl.program_id(0), tl.program_id(1)
     rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rn < N
     sb = SB + (nb * BLOCK_N // 128) * NUM_KB                           # this block's weight scales
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for kb0 in range(0, NUM_KB, KB_TILE):
-        kb = kb0 + tl.arange(0, KB_TILE)
-        p = tl.load(P + (kb[:, None] * M + m).to(tl.int64) * N + rn[None, :], mask=(kb[:, None] < NUM_KB) & ok[None, :],
-                    other=0.0)
         for j in tl.static_range(KB_TILE):
             live = kb0 + j < NUM_KB
+            p = tl.load(P + ((kb0 + j) * M + m).to(tl.int64) * N + rn, mask=ok & (rn * 0 + kb0 + j < NUM_KB), other=0.0)
             s = tl.load(SA + m * NUM_KB + kb0 + j, mask=live, other=0.0) * tl.load(sb + kb0 + j, mask=live, other=0.0)
-            acc += tl.sum(tl.where(kb[:, None] == kb0 + j, p, -0.0), 0) * s
+            acc += p * s
     tl.store(C + m.to(tl.int64) * N + rn, acc.to(C.dtype.element_ty), mask=ok)
 
 
@@ -252,18 +249,19 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
 @triton.jit
 def _moe_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, N, K, NUM_KB,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DECODE: tl.constexpr, FNUZ: tl.constexpr):
+                     DECODE: tl.constexpr, FNUZ: tl.constexpr, SELF_ROWS: tl.constexpr, ROUND: tl.constexpr):
     """Reference: quant.fp8_gemm on each row block's expert. A [*, K] fp8 with SA [*, NUM_KB];
     B [E, N, K] fp8 with SB [E, ceil(N/128), NUM_KB] (all experts stacked); ROWS [P] the A row of
-    each output row (-1: padding); BLOCK_EXPERT [P / BLOCK_M] the expert of each row block (-1: none).
-    C [P, N]: output row p = A[ROWS[p]] @ B[expert]^T."""
+    each output row (-1: padding; SELF_ROWS: A's row is the output row itself, ROWS only says which
+    are live); BLOCK_EXPERT [P / BLOCK_M] the expert of each row block (-1: none).
+    C [P, N]: output row p = A[ROWS[p]] @ B[expert]^T (ROUND: rounded to bf16 values, C float32)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e >= 0:                                                         # blocks past the routed rows: nothing
         p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row = tl.load(ROWS + p)
         valid = row >= 0
-        row = tl.where(valid, row, 0)
+        row = tl.where(valid, p if SELF_ROWS else row, 0)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         b_base = B + e.to(tl.int64) * N * K
@@ -283,27 +281,35 @@ def _moe_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, N, K, NUM_KB,
             sa = tl.load(SA + row * NUM_KB + kb, mask=valid, other=0.0)
             sb = tl.load(sb_base + (rn // 128) * NUM_KB + kb, mask=rn < N, other=0.0)
             acc += partial * (sa[:, None] * sb[None, :])
+        if ROUND:
+            acc = _bf16_round(acc)
         tl.store(C + p[:, None] * N + rn[None, :], acc.to(C.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
 
 MOE_BLOCK_M = 16
 
 
-def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, decode=False, fnuz=False, block_n=64):
+def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, decode=False, fnuz=False, block_n=64,
+             self_rows=False, bf16_values=False):
     """a [R, K] fp8, sa [R, K/128], b [E, N, K] fp8, sb [E, ceil(N/128), K/128], rows [P] int (P a multiple of
     MOE_BLOCK_M), block_expert [P / MOE_BLOCK_M] int -> [P, N]; padding rows are left unwritten.
-    Reference: quant.fp8_gemm on each row block's expert."""
+    self_rows: output row p multiplies a's row p (rows < 0 still marks padding: the second GEMM of a
+    SwiGLU, over the first one's rows). bf16_values: float32 out holding the bf16 rounding (what a bf16
+    output widened gives, without the copy). Reference: quant.fp8_gemm on each row block's expert."""
     R, K = a.shape
     E, N, _ = b.shape
     P = rows.shape[0]
     assert P % MOE_BLOCK_M == 0 and block_expert.shape[0] == P // MOE_BLOCK_M and K % 128 == 0
     assert a.is_contiguous() and b.is_contiguous() and sa.is_contiguous() and sb.is_contiguous()
+    if bf16_values and out_dtype != torch.float32:
+        raise ValueError(f"moe_gemm: bf16_values writes float32, not {out_dtype}")
     c = torch.empty(P, N, dtype=out_dtype, device=a.device)
     if decode:
         a, b = a.view(torch.uint8), b.view(torch.uint8)
     grid = (P // MOE_BLOCK_M, triton.cdiv(N, block_n))
     _moe_gemm_kernel[grid](a, sa, b, sb, c, rows, block_expert, N, K, K // 128, BLOCK_M=MOE_BLOCK_M, BLOCK_N=block_n,
-                           BLOCK_K=128, DECODE=decode, FNUZ=fnuz, num_warps=4, num_stages=3)
+                           BLOCK_K=128, DECODE=decode, FNUZ=fnuz, SELF_ROWS=self_rows, ROUND=bf16_values, num_warps=4,
+                           num_stages=3)
     return c
 
 
