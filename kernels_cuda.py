@@ -479,19 +479,32 @@ def _compact(SCORES, CSCORE, CNT, SMALL, row, S, m, prefix, hi_mask, listed, CAP
         at = base + tl.cumsum(keep.to(tl.int32), axis=0) - 1
         tl.store(SMALL + row.to(tl.int64) * NS + at, u.to(tl.uint32).to(tl.int32, bitcast=True), mask=keep)
         base += tl.sum(keep.to(tl.int32), axis=0)
-    tl.debug_barrier()                                                 # the stores above, visible to every thread
-    rs = tl.arange(0, NS)
-    return tl.load(SMALL + row.to(tl.int64) * NS + rs, mask=rs < base, other=0).to(tl.int64) & 0xFFFFFFFF
+    return _reload(SMALL, row, base, NS)
 
 
 @triton.jit
-def _radix_select(SCORES, CSCORE, CNT, SMALL, row, S, m, need, listed, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr,
-                  NS: tl.constexpr):
+def _copy_out(SMALL, row, u, keep, NS: tl.constexpr):  # _compact for keys held in registers: the kept ones -> [NS]
+    at = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(SMALL + row.to(tl.int64) * NS + at, u.to(tl.uint32).to(tl.int32, bitcast=True), mask=keep)
+    return _reload(SMALL, row, tl.sum(keep.to(tl.int32), axis=0), NS)
+
+
+@triton.jit
+def _reload(SMALL, row, n, NS: tl.constexpr):  # the n keys stored at SMALL[row] -> [NS] keys in registers
+    tl.debug_barrier()                                                 # the stores before, visible to every thread
+    rs = tl.arange(0, NS)
+    return tl.load(SMALL + row.to(tl.int64) * NS + rs, mask=rs < n, other=0).to(tl.int64) & 0xFFFFFFFF
+
+
+@triton.jit
+def _radix_select(SCORES, CSCORE, CNT, SMALL, row, S, m, need, listed, CAPS, u_regs, ok_regs, BLOCK: tl.constexpr,
+                  SEGS: tl.constexpr, NS: tl.constexpr, IN_REGS: tl.constexpr):
     """The need-th largest of a row's m keys by radix select, one 8-bit digit at a time (four 256-bin
     histograms over the keys whose higher digits match so far) -> (its key, its rank among equal keys).
-    Once the chosen bin holds at most NS keys they are copied out (SMALL[row], NS words) and the later
-    digits are counted over those NS registers instead of the whole row: a histogram costs Triton
-    about 100 instructions per key, and after one or two digits the bin usually holds a few dozen."""
+    The keys are streamed from memory for each digit, or (IN_REGS) already held in registers (u_regs,
+    ok_regs). Once the chosen bin holds at most NS keys they are copied out (SMALL[row], NS words) and
+    the later digits are counted over those NS registers instead of the whole row: a histogram costs
+    Triton a few instructions per key, and after one or two digits the bin usually holds a few dozen."""
     prefix = tl.zeros((), tl.int64)
     hi_mask = tl.zeros((), tl.int64)
     few = tl.zeros((NS,), tl.int64)                                    # the copied-out keys
@@ -500,7 +513,11 @@ def _radix_select(SCORES, CSCORE, CNT, SMALL, row, S, m, need, listed, CAPS, BLO
     for p in range(4):                                                 # most significant digit first
         shift = 24 - 8 * p
         if n_few < 0:
-            hist = _stream_hist(SCORES, CSCORE, CNT, row, S, m, prefix, hi_mask, shift, listed, CAPS, BLOCK, SEGS)
+            if IN_REGS:
+                hist = tl.histogram(((u_regs >> shift) & 0xFF).to(tl.int32), 256,
+                                    mask=ok_regs & ((u_regs & hi_mask) == prefix))
+            else:
+                hist = _stream_hist(SCORES, CSCORE, CNT, row, S, m, prefix, hi_mask, shift, listed, CAPS, BLOCK, SEGS)
         else:
             ok = (tl.arange(0, NS) < n_few) & ((few & hi_mask) == prefix)
             hist = tl.histogram(((few >> shift) & 0xFF).to(tl.int32), 256, mask=ok)
@@ -509,26 +526,47 @@ def _radix_select(SCORES, CSCORE, CNT, SMALL, row, S, m, need, listed, CAPS, BLO
         hi_mask |= 0xFF << shift
         in_bin = tl.sum(tl.where(bins == b, hist, 0), axis=0)
         if (n_few < 0) & (in_bin <= NS) & (p < 3):
-            few = _compact(SCORES, CSCORE, CNT, SMALL, row, S, m, prefix, hi_mask, listed, CAPS, BLOCK, SEGS, NS)
+            if IN_REGS:
+                few = _copy_out(SMALL, row, u_regs, ok_regs & ((u_regs & hi_mask) == prefix), NS)
+            else:
+                few = _compact(SCORES, CSCORE, CNT, SMALL, row, S, m, prefix, hi_mask, listed, CAPS, BLOCK, SEGS, NS)
             n_few = in_bin
     return prefix, need
 
 
 @triton.jit
-def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, SMALL, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr,
-                 LISTS: tl.constexpr, NS: tl.constexpr):
-    """Reference: indexer.topk_indices_ref (topk_select_ref as indices). Top-k, step 2, one program per
-    query row, over its step-1 lists or its whole row (_row_keys; LISTS = False: step 1 did not run): the K-th largest
-    key by _radix_select, then every key above it and the lowest-indexed keys equal to it (ties toward
-    the lower index) are written out in index order; the row is padded with -1 when it has fewer than
-    K causal keys."""
-    row = tl.program_id(0)
-    n = tl.minimum(tl.load(POS).to(tl.int32) + row % T + 1, S)            # causal keys of this query
-    kk = tl.minimum(K, n)
-    dst = OUT + row.to(tl.int64) * K
-    m, listed = _row_keys(CNT, row, n, kk, CAPS, SEGS, LISTS)
-    prefix, need = _radix_select(SCORES, CSCORE, CNT, SMALL, row, S, m, kk.to(tl.int32), listed, CAPS, BLOCK, SEGS, NS)
-    # prefix is now the K-th largest key: take all keys above it and the first `need` equal to it
+def _write_selected(dst, idx, u, ok, prefix, need, K, base, taken_eq):
+    """One tile of a row's keys (idx: their indices, in index order) -> the ones in its top K written at
+    dst[base:]: keys above the K-th largest (prefix) and the first `need` equal to it (ties toward the
+    lower index) -> (base, taken_eq) after the tile."""
+    eq = ok & (u == prefix)
+    eq_rank = taken_eq + tl.cumsum(eq.to(tl.int32), axis=0)            # 1-based rank among equal keys, in index order
+    sel = (ok & (u > prefix)) | (eq & (eq_rank <= need))
+    pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    tl.store(dst + pos, idx.to(tl.int32), mask=sel & (pos < K))        # (never past the row, even if wrong)
+    return base + tl.sum(sel.to(tl.int32), axis=0), taken_eq + tl.sum(eq.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _select_registers(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk, listed, dst, K, CAPS, BLOCK: tl.constexpr,
+                      SEGS: tl.constexpr, NS: tl.constexpr, REGS: tl.constexpr):  # step 2, the row's m <= REGS keys read once
+    rb = tl.arange(0, REGS)
+    ok = rb < m
+    _, u = _keys_at(SCORES, CSCORE, CNT, row, S, rb, ok, listed, CAPS, SEGS)
+    prefix, need = _radix_select(SCORES, CSCORE, CNT, SMALL, row, S, m, kk, listed, CAPS, u, ok, BLOCK, SEGS, NS, True)
+    if listed > 0:                                                     # the keys' indices (not held through the select)
+        idx = tl.load(CAND + _listed(CNT, row, rb, CAPS, SEGS), mask=ok, other=0)
+    else:
+        idx = rb
+    _write_selected(dst, idx, u, ok, prefix, need, K, tl.zeros((), tl.int32), tl.zeros((), tl.int32))
+
+
+@triton.jit
+def _select_streamed(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk, listed, dst, K, CAPS, BLOCK: tl.constexpr,
+                     SEGS: tl.constexpr, NS: tl.constexpr):  # step 2, the row's m keys read again for each pass
+    none = tl.zeros((NS,), tl.int64)
+    prefix, need = _radix_select(SCORES, CSCORE, CNT, SMALL, row, S, m, kk, listed, CAPS, none, none == 0, BLOCK,
+                                 SEGS, NS, False)
     base = tl.zeros((), tl.int32)
     taken_eq = tl.zeros((), tl.int32)
     for s0 in range(0, m, BLOCK):
@@ -536,21 +574,41 @@ def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, SMALL, POS, T, S, K, CAPS, BLOC
         ok = rb < m
         at, u = _keys_at(SCORES, CSCORE, CNT, row, S, rb, ok, listed, CAPS, SEGS)
         if listed > 0:
-            at = tl.load(CAND + at, mask=ok, other=0).to(tl.int64)   # the list's key indices
-        eq = ok & (u == prefix)
-        eq_rank = taken_eq + tl.cumsum(eq.to(tl.int32), axis=0)        # 1-based rank among equal keys, in index order
-        sel = (ok & (u > prefix)) | (eq & (eq_rank <= need))
-        pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(dst + pos, at.to(tl.int32), mask=sel & (pos < K))         # (never past the row, even if wrong)
-        base += tl.sum(sel.to(tl.int32), axis=0)
-        taken_eq += tl.sum(eq.to(tl.int32), axis=0)
+            at = tl.load(CAND + at, mask=ok, other=0).to(tl.int64)       # the list's key indices
+        base, taken_eq = _write_selected(dst, at, u, ok, prefix, need, K, base, taken_eq)
+
+
+@triton.jit
+def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, SMALL, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr,
+                 LISTS: tl.constexpr, NS: tl.constexpr, REGS: tl.constexpr):
+    """Reference: indexer.topk_indices_ref (topk_select_ref as indices). Top-k, step 2, one program per
+    query row, over its step-1 lists or its whole row (_row_keys; LISTS = False: step 1 did not run): the K-th largest
+    key by _radix_select, then every key above it and the lowest-indexed keys equal to it (ties toward
+    the lower index) are written out in index order; the row is padded with -1 when it has fewer than
+    K causal keys. With REGS > 0, a row of at most REGS keys is read once into registers; a longer one
+    (every row, REGS = 0) is read again for each pass."""
+    row = tl.program_id(0)
+    n = tl.minimum(tl.load(POS).to(tl.int32) + row % T + 1, S)            # causal keys of this query
+    kk = tl.minimum(K, n)
+    dst = OUT + row.to(tl.int64) * K
+    m, listed = _row_keys(CNT, row, n, kk, CAPS, SEGS, LISTS)
+    if REGS > 0:
+        if m <= REGS:
+            _select_registers(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk.to(tl.int32), listed, dst, K, CAPS,
+                              BLOCK, SEGS, NS, REGS)
+        else:
+            _select_streamed(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk.to(tl.int32), listed, dst, K, CAPS,
+                             BLOCK, SEGS, NS)
+    else:
+        _select_streamed(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk.to(tl.int32), listed, dst, K, CAPS, BLOCK,
+                         SEGS, NS)
     for s0 in range(0, K, BLOCK):                                      # pad the rest with -1
         rk = s0 + tl.arange(0, BLOCK)
         tl.store(dst + rk, tl.full((BLOCK,), -1, tl.int32), mask=(rk >= kk) & (rk < K))
 
 
-def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, cap=None, segments=None, programs=264,
-                 stages=3, digits=2, few=256):
+def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, cap=None, segments=None, programs=264,
+                 stages=3, digits=2, few=256, regs=None):
     """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
     causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K:
     indexer.topk_indices_ref.
@@ -558,7 +616,13 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, 
     pieces per row (enough programs to fill the GPU for a few rows), each list at most cap keys.
     Then the K-th largest key of each row's lists (or whole row) by radix select, one program per row,
     the later digits over the keys left in the chosen bin once it holds at most `few` (a power of two).
+    With regs (a power of two; 0: never), a row (or its lists) of at most regs keys is read once into
+    registers; a longer one is read again for each radix digit.
     Tiles (H200 sweeps): 2048 keys a step with 8 warps for a few decode rows, 512 with 4 for many;
+    up to 4 rows (batch-1 decode): a sample of 4096 (lists of 2.4-3.3K keys at 16K-128K) and step 2 in
+    registers when they fit in 4096 (3 us less at 4K, 5.5 us in a whole 128K layer step); more rows: a
+    sample of 2048 and every row streamed (compiled beside the register path, the streamed path ran up
+    to 2x slower, and with more rows some row's lists outgrow the registers: bench/RESULTS.md);
     step 1 streams its row through `stages` pipelined loads and finds its threshold with `digits` 8-bit
     radix passes over the sample (fewer: a coarser, lower threshold, slightly longer lists, the same
     result; 2 rather than 4: 3-6 us less for decode rows of 16K-128K and 2% for prefill rows on an H200)."""
@@ -566,7 +630,7 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, 
         raise ValueError(f"topk_indices: scores {tuple(scores.shape)} is not [B, T, S] or K = {K} < 1")
     if digits not in (1, 2, 3, 4):
         raise ValueError(f"topk_indices: digits = {digits}; the threshold takes 1-4 radix digits of 8 bits")
-    for name, v in (("few", few), ("sample", sample), ("block", block or 16)):
+    for name, v in (("few", few), ("sample", sample or 16), ("block", block or 16), ("regs", regs or 16)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"topk_indices: {name} = {v} is not a power of two")
     if (segments is not None and segments < 1) or (cap is not None and cap < 1):
@@ -576,6 +640,7 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, 
     segs = segments or max(1, min(8, programs // rows))
     many = rows >= 1024
     block, num_warps = block or (512 if many else 2048), num_warps or (4 if many else 8)
+    sample, regs = sample or (4096 if rows <= 4 else 2048), (512 * num_warps if rows <= 4 else 0) if regs is None else regs
     caps = cap or 2 * (4 * K + 1024) // segs                           # room for the sampled threshold's list
     block = max(16, min(block, triton.next_power_of_2(S)))
     scores, pos = scores.float().contiguous(), _pos_tensor(start_pos, scores.device)
@@ -589,7 +654,7 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=2048, 
                                         STAGES=stages, DIGITS=digits, num_warps=num_warps)
     small = torch.empty(rows, few, dtype=torch.int32, device=scores.device)   # step 2's copied-out keys
     _topk_kernel[(rows,)](scores, out, lists, listed, cnt, small, pos, T, S, K, caps, BLOCK=block, SEGS=segs, LISTS=lists_,
-                          NS=few, num_warps=num_warps)
+                          NS=few, REGS=regs, num_warps=num_warps)
     return out
 
 

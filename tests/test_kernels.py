@@ -257,6 +257,16 @@ def test_moe_gemm_kernel(M, Kt, E, N, K, seed):
         w, s = ws[idx[t, slot]]
         ref = quant.fp8_gemm(a[t:t + 1], sa[t:t + 1], w, s)[0]
         assert np.abs(got[p] - ref).max() <= 2.0 ** -13 * (K // 128) * np.abs(ref).max() + 1e-30
+    # a SwiGLU's second GEMM: output row p multiplies row p of its input (rows only marks the live ones),
+    # written as bf16 values in float32: the same sums as above, rounded
+    live = rows_np >= 0
+    at = torch.from_numpy(np.where(live, rows_np, 0)).to(DEV).long()
+    a_p, sa_p = t8(a)[at].contiguous(), torch.from_numpy(sa).to(DEV)[at].contiguous()
+    own = kernels_cuda.moe_gemm(a_p, sa_p, *W, rows, block_expert, out_dtype=torch.float32, self_rows=True,
+                                bf16_values=True).cpu().numpy()
+    np.testing.assert_array_equal(own[live].view(np.uint32), quant.bf16_round(got[live]).astype(np.float32).view(np.uint32))
+    with pytest.raises(ValueError, match="bf16_values writes float32"):
+        kernels_cuda.moe_gemm(a_p, sa_p, *W, rows, block_expert, bf16_values=True)
 
 
 # the routed experts' bookkeeping (kernels_moe.py): choice and weights, the grouped GEMM's rows, the sum
@@ -500,21 +510,25 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
 @settings(max_examples=16)
 @given(st.integers(1, 2), st.integers(1, 4), st.integers(0, 150), st.integers(1, 40), st.sampled_from(["normal", "ties", "equal"]),
        st.sampled_from([16, 64]), st.sampled_from([(2048, None), (16, None), (16, 1)]), st.sampled_from([None, 1, 3]),
-       st.sampled_from([1, 2, 4]), st.sampled_from([1, 4, 256]), st.integers(0, 2 ** 31))
-def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits, few, seed):
+       st.sampled_from([1, 2, 4]), st.sampled_from([1, 4, 256]), st.sampled_from([0, 16, 64, 256]), st.integers(0, 2 ** 31))
+def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits, few, regs, seed):
     """Exact top-k as sets against topk_select_ref: contexts shorter than k, exactly k (past + t + 1 =
     K happens), one token; many ties (rounded scores, +0 and -0), a row of one repeated value, -inf.
     A small sample puts rows of >= 64 keys on the sampled-threshold lists (in 1 or 3 segments per row,
     or as many as fill the GPU), their threshold found with 1, 2 or 4 radix digits; a list capacity of 1
     forces the fall-back to the whole row there. The radix select's later digits run over the keys
-    left in the chosen bin once it holds at most `few` (1, 4: sometimes, 256: after the first digit)."""
+    left in the chosen bin once it holds at most `few` (1, 4: sometimes, 256: after the first digit).
+    Step 2 holds a row's keys (or lists) in registers when they number at most `regs`, else streams
+    them for each digit: 16 streams almost every row, 256 none, 64 some of each in one call, 0 (the
+    kernel compiled without the register path) every row."""
     sample, cap = sample_cap
     with pytest.raises(ValueError, match="K = 0 < 1"):
         kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 0, 0)
     with pytest.raises(ValueError, match="digits = 5"):
         kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 1, 0, digits=5)
     for bad, match in ((dict(few=3), "few = 3 is not a power of two"), (dict(sample=1000), "sample = 1000 is not"),
-                       (dict(block=96), "block = 96 is not"), (dict(segments=0), "segments = 0"), (dict(cap=0), "cap = 0")):
+                       (dict(block=96), "block = 96 is not"), (dict(segments=0), "segments = 0"), (dict(cap=0), "cap = 0"),
+                       (dict(regs=100), "regs = 100 is not")):
         with pytest.raises(ValueError, match=match):
             kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 1, 0, **bad)
     import indexer
@@ -527,7 +541,7 @@ def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits,
         I[:] = np.float32(rng.standard_normal())                   # every causal key tied
     I[0, 0, 0] = -np.inf                                            # a masked key among the causal ones
     got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), K, past, block=block, sample=sample, cap=cap,
-                                     segments=segments, digits=digits, few=few).cpu().numpy()
+                                     segments=segments, digits=digits, few=few, regs=regs).cpu().numpy()
     np.testing.assert_array_equal(got, indexer.topk_indices_ref(I, K, past))   # the contract, whole
     want = indexer.topk_select_ref(I, K, past)                      # [B, T, S] bool, ties toward the lower index
     for b in range(B):
