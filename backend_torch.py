@@ -369,7 +369,8 @@ def latent_attention(q_nope, q_pe, latent, sel, p, start_pos, S, args, rnd, *, d
     qa = torch.einsum("bthn,hnc->bthc", q_nope.to(dt), p["W_UK"])      # [B, T, H, C] in dt (bf16: rnd's rounding)
     many = B * T * -(-H // 64) >= dsa.sm_count(latent.device)          # one wave of programs without splits
     fn = dsa.sparse_mla_prefill if many else dsa.sparse_mla_decode
-    o, _ = fn(qa, q_pe.to(dt), latent, sel, args.softmax_scale, start_pos, S=S, out_dtype=dt)   # weighted latent
+    # q_pe as it is: float32 holding dt values (official: rounded to bf16), taken to dt inside the kernel, exactly
+    o, _ = fn(qa, q_pe, latent, sel, args.softmax_scale, start_pos, S=S, out_dtype=dt)   # weighted latent
     return rnd(torch.einsum("bthc,hvc->bthv", o, p["W_UV"]))
 
 
@@ -479,15 +480,18 @@ def route(idx, E, bm, *, kern=None):
     return rows_tok, pair_at, block_expert
 
 
-def grouped(q, s, W, rows, block_expert, *, kern=None):  # -> [P, N] bf16 values (float32); padding rows garbage
+def grouped(q, s, W, rows, block_expert, self_rows=False, *, kern=None):
+    """-> [P, N] bf16 values (float32) of row p of q (self_rows: p itself; else rows[p]) times its block's
+    expert; padding rows (rows < 0) garbage."""
     if kern is not None:
-        return kern.moe_gemm(q, s, W.w, W.scale, rows, block_expert).float()
+        return kern.moe_gemm(q, s, W.w, W.scale, rows, block_expert, out_dtype=torch.float32, self_rows=self_rows,
+                             bf16_values=True)
     P, bm = rows.shape[0], rows.shape[0] // block_expert.shape[0]
     out = torch.zeros(P, W.w.shape[1], device=q.device)
     be = block_expert.repeat_interleave(bm)
     for e in torch.unique(be[(rows >= 0) & (be >= 0)]).tolist():         # CPU: one GEMM per expert present
         sel = torch.nonzero((rows >= 0) & (be == e)).squeeze(1)
-        r = rows[sel].long()
+        r = sel if self_rows else rows[sel].long()
         out[sel] = bf16_round(fp8_gemm_torch(q[r], s[r], W.w[e], W.scale[e]))
     return out
 
@@ -505,8 +509,7 @@ def routed_grouped(x, p, idx, elsewhere=False, *, kern=None):
     I = g.shape[1] // 2
     h = bf16_round(torch.nn.functional.silu(g[:, :I]) * g[:, I:], kern=kern)
     q2, s2 = act_quant(h, kern=kern)
-    rows_self = torch.where(rows_tok >= 0, torch.arange(rows_tok.shape[0], device=x.device, dtype=torch.int32), -1)
-    o = grouped(q2, s2, p["w2"], rows_self, block_expert, kern=kern)     # [P, d]
+    o = grouped(q2, s2, p["w2"], rows_tok, block_expert, self_rows=True, kern=kern)   # [P, d]: row p of h
     M, Kt = idx.shape
     out = torch.zeros(M * Kt + 1, x.shape[1], device=x.device).index_copy_(0, pair_at, o)   # padding -> the trash row
     return out[:M * Kt].view(M, Kt, -1)

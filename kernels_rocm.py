@@ -94,9 +94,10 @@ def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False, gemv=None, a
     return _v4.fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=fnuz, gemv=gemv, int8=_int8_route(route, arch))
 
 
-def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, arch=None):
+def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, self_rows=False, bf16_values=False, arch=None):
     cfg = ARCHS[arch or current_arch()]
-    return _k.moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=out_dtype, decode=cfg["decode"], fnuz=cfg["fnuz"])
+    return _k.moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=out_dtype, decode=cfg["decode"], fnuz=cfg["fnuz"],
+                       self_rows=self_rows, bf16_values=bf16_values)
 
 
 # -----------------------------------------------------------------------------
