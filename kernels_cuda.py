@@ -619,10 +619,11 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
     With regs (a power of two; 0: never), a row (or its lists) of at most regs keys is read once into
     registers; a longer one is read again for each radix digit.
     Tiles (H200 sweeps): 2048 keys a step with 8 warps for a few decode rows, 512 with 4 for many;
-    up to 4 rows (batch-1 decode): a sample of 4096 (lists of 2.4-3.3K keys at 16K-128K) and step 2 in
-    registers when they fit in 4096 (3 us less at 4K, 5.5 us in a whole 128K layer step); more rows: a
-    sample of 2048 and every row streamed (compiled beside the register path, the streamed path ran up
-    to 2x slower, and with more rows some row's lists outgrow the registers: bench/RESULTS.md);
+    decode rows (up to 4 rows, or contexts up to 64K): a sample of 4096 (lists of 2.4-3.3K keys at
+    16K-128K) and step 2 in registers where they fit in 4096 (2-4 us less at 4K-64K, 5.5 us in a whole
+    128K layer step); more rows at 128K and prefill rows: a sample of 2048 and every row streamed (at 128K
+    some of 16-64 rows' lists outgrow the registers, and their streamed pass, compiled beside the
+    register path, ran up to 1.4x slower: bench/RESULTS.md);
     step 1 streams its row through `stages` pipelined loads and finds its threshold with `digits` 8-bit
     radix passes over the sample (fewer: a coarser, lower threshold, slightly longer lists, the same
     result; 2 rather than 4: 3-6 us less for decode rows of 16K-128K and 2% for prefill rows on an H200)."""
@@ -640,7 +641,8 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
     segs = segments or max(1, min(8, programs // rows))
     many = rows >= 1024
     block, num_warps = block or (512 if many else 2048), num_warps or (4 if many else 8)
-    sample, regs = sample or (4096 if rows <= 4 else 2048), (512 * num_warps if rows <= 4 else 0) if regs is None else regs
+    in_regs = not many and (rows <= 4 or S <= 65536)                 # step 2 in registers (H200 sweeps)
+    sample, regs = sample or (4096 if in_regs else 2048), (512 * num_warps if in_regs else 0) if regs is None else regs
     caps = cap or 2 * (4 * K + 1024) // segs                           # room for the sampled threshold's list
     block = max(16, min(block, triton.next_power_of_2(S)))
     scores, pos = scores.float().contiguous(), _pos_tensor(start_pos, scores.device)
