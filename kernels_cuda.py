@@ -30,7 +30,8 @@ DSA kernels (DeepSeek Sparse Attention; the model calls them on a GPU through ba
                         x all their heads on N (the head sum in registers), keys split over programs,
                         future key blocks skipped              reference: indexer.index_scores_causal_ref
     topk_indices        eq. (2), exact causal top-k: per-segment lists above a sampled threshold, then
-                        radix select on them (or on the row)   reference: indexer.topk_indices_ref
+                        radix select on them (or on the row), held in registers where they fit
+                                                               reference: indexer.topk_indices_ref
     sparse_mla_decode   absorbed MLA over the selected latent rows (packed FP8 656-byte rows, or bf16 /
     sparse_mla_prefill  float32), online softmax; decode splits the selected set and combines the
                         splits by log-sum-exp, prefill writes each query directly
@@ -619,11 +620,11 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
     With regs (a power of two; 0: never), a row (or its lists) of at most regs keys is read once into
     registers; a longer one is read again for each radix digit.
     Tiles (H200 sweeps): 2048 keys a step with 8 warps for a few decode rows, 512 with 4 for many;
-    decode rows (up to 4 rows, or contexts up to 64K): a sample of 4096 (lists of 2.4-3.3K keys at
-    16K-128K) and step 2 in registers where they fit in 4096 (2-4 us less at 4K-64K, 5.5 us in a whole
-    128K layer step); more rows at 128K and prefill rows: a sample of 2048 and every row streamed (at 128K
-    some of 16-64 rows' lists outgrow the registers, and their streamed pass, compiled beside the
-    register path, ran up to 1.4x slower: bench/RESULTS.md);
+    decode rows (up to 4 rows, or contexts up to 64K): step 2 in registers where the keys fit in 4096
+    (2-4 us less at 4K-64K, 5.5 us in a whole 128K layer step), past 64K a sample of 4096 so that the
+    lists do (2.4-3.3K keys; a sample of 2048 lists about 4K at 128K); more rows at 128K and prefill rows:
+    every row streamed (at 128K some of 16-64 rows' lists outgrow the registers, and their streamed pass,
+    compiled beside the register path, ran up to 1.4x slower: bench/RESULTS.md);
     step 1 streams its row through `stages` pipelined loads and finds its threshold with `digits` 8-bit
     radix passes over the sample (fewer: a coarser, lower threshold, slightly longer lists, the same
     result; 2 rather than 4: 3-6 us less for decode rows of 16K-128K and 2% for prefill rows on an H200)."""
@@ -642,7 +643,8 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
     many = rows >= 1024
     block, num_warps = block or (512 if many else 2048), num_warps or (4 if many else 8)
     in_regs = not many and (rows <= 4 or S <= 65536)                 # step 2 in registers (H200 sweeps)
-    sample, regs = sample or (4096 if in_regs else 2048), (512 * num_warps if in_regs else 0) if regs is None else regs
+    sample = sample or (4096 if in_regs and S > 65536 else 2048)      # (lists that fit 4096 registers)
+    regs = (512 * num_warps if in_regs else 0) if regs is None else regs
     caps = cap or 2 * (4 * K + 1024) // segs                           # room for the sampled threshold's list
     block = max(16, min(block, triton.next_power_of_2(S)))
     scores, pos = scores.float().contiguous(), _pos_tensor(start_pos, scores.device)

@@ -8,7 +8,8 @@ _bf16_round from here.
                 promotion of each 128-wide K block's partial sum; K split over programs for
                 decode's few output tiles, the same bits          reference: quant.fp8_gemm
     moe_gemm    the same GEMM for the routed experts: all experts' weights stacked [E, N, K], token
-                rows gathered by index, one expert per 16-row block   reference: quant.fp8_gemm per expert
+                rows gathered by index (or a SwiGLU's own rows), one expert per 16-row block, bf16
+                values out (or in float32)                reference: quant.fp8_gemm per expert
     bf16_round  float32 -> the nearest bf16 values (from the bits), elementwise glue in one launch
                                                                   reference: quant.bf16_round
     rms_norm    a row's RMSNorm, weighted, bf16-rounded in official numerics, one launch instead of a

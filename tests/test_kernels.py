@@ -386,6 +386,24 @@ def test_moe_takes_the_bookkeeping_kernels():
         np.testing.assert_array_equal(got.cpu().numpy(), backend_torch.bf16_round(y).cpu().numpy())
 
 
+def test_topk_kernel_paths():
+    """Step 2's two paths in one call, with step 1's lists and without: rows of 61-68 causal keys against a
+    64-key register tile (unlisted rows in registers, listed rows in registers and streamed); and the
+    defaults a decode step takes (a 4096-key register tile; lists past 4 x 2048 keys, or 4 x 4096 past 64K
+    context), on rows long enough to build lists and one too short to."""
+    import indexer
+    rng = np.random.default_rng(5)
+    I = rng.standard_normal((2, 8, 68)).astype(np.float32)
+    I[1, 3, :20] = np.round(I[1, 3, :20])                                  # ties inside a listed row
+    got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), 12, 60, sample=16, regs=64, segments=3, few=4, block=16)
+    np.testing.assert_array_equal(got.cpu().numpy(), indexer.topk_indices_ref(I, 12, 60))
+    for shape, K in (((1, 1, 20000), 2048), ((1, 2, 17000), 2048), ((1, 1, 12000), 2048), ((1, 1, 70000), 1024)):
+        I = rng.standard_normal(shape).astype(np.float32)
+        past = shape[2] - shape[1]
+        got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), K, past)
+        np.testing.assert_array_equal(got.cpu().numpy(), indexer.topk_indices_ref(I, K, past), err_msg=str(shape))
+
+
 @settings(max_examples=10)
 @given(st.integers(1, 2), st.integers(1, 9), st.integers(0, 300), st.sampled_from([1, 4, 16, 64]), st.booleans(),
        st.sampled_from([16, 32, 128]), st.integers(0, 2 ** 31))
@@ -519,8 +537,8 @@ def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits,
     forces the fall-back to the whole row there. The radix select's later digits run over the keys
     left in the chosen bin once it holds at most `few` (1, 4: sometimes, 256: after the first digit).
     Step 2 holds a row's keys (or lists) in registers when they number at most `regs`, else streams
-    them for each digit: 16 streams almost every row, 256 none, 64 some of each in one call, 0 (the
-    kernel compiled without the register path) every row."""
+    them for each digit: 16 streams almost every row, 256 none, 0 (the kernel compiled without the
+    register path) every row (test_topk_kernel_paths: both paths in one call, with lists)."""
     sample, cap = sample_cap
     with pytest.raises(ValueError, match="K = 0 < 1"):
         kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 0, 0)
