@@ -632,7 +632,8 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
         raise ValueError(f"topk_indices: scores {tuple(scores.shape)} is not [B, T, S] or K = {K} < 1")
     if digits not in (1, 2, 3, 4):
         raise ValueError(f"topk_indices: digits = {digits}; the threshold takes 1-4 radix digits of 8 bits")
-    for name, v in (("few", few), ("sample", sample or 16), ("block", block or 16), ("regs", regs or 16)):
+    for name, v in (("few", few), ("sample", 16 if sample is None else sample), ("block", block or 16),
+                    ("regs", regs or 16)):                             # (regs = 0: never in registers)
         if v < 1 or v & (v - 1):
             raise ValueError(f"topk_indices: {name} = {v} is not a power of two")
     if (segments is not None and segments < 1) or (cap is not None and cap < 1):
