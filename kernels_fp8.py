@@ -182,6 +182,7 @@ def _fp8_gemm_combine_kernel(P, SA, SB, C, M, N, NUM_KB, BLOCK_N: tl.constexpr, 
     for kb0 in range(0, NUM_KB, KB_TILE):
         for j in tl.static_range(KB_TILE):
             live = kb0 + j < NUM_KB
+            # (live as a tensor here: the interpreter refuses a scalar mask combined into a tensor load's)
             p = tl.load(P + ((kb0 + j) * M + m).to(tl.int64) * N + rn, mask=ok & (rn * 0 + kb0 + j < NUM_KB), other=0.0)
             s = tl.load(SA + m * NUM_KB + kb0 + j, mask=live, other=0.0) * tl.load(sb + kb0 + j, mask=live, other=0.0)
             acc += p * s
