@@ -362,12 +362,15 @@ def _ordered_key(x):  # fp32 -> int64 in [0, 2^32) whose order is the float orde
 
 
 @triton.jit
-def _bucket(hist, need):  # 256-bin histogram, rank -> (the bin holding the need-th largest, the rank within it)
+def _bucket(hist, need):
+    """256-bin histogram (counts under 2^24), rank -> (the bin holding the need-th largest, the rank
+    within it, the keys in that bin)."""
     bins = tl.arange(0, 256)
     ge = tl.cumsum(hist, axis=0, reverse=True)                         # keys in this bin or a higher one
-    # the highest bin with ge >= need, and the keys above it, from one reduction over (bin, above) pairs
-    v = tl.max(tl.where(ge >= need, (bins.to(tl.int64) << 32) | (ge - hist).to(tl.int64), -1), axis=0)
-    return (v >> 32).to(tl.int32), need - (v & 0xFFFFFFFF).to(tl.int32)
+    # the highest bin with ge >= need, the keys above it and in it, from one reduction over (bin, above, in) triples
+    v = tl.max(tl.where(ge >= need, (bins.to(tl.int64) << 48) | ((ge - hist).to(tl.int64) << 24) | hist.to(tl.int64), -1),
+               axis=0)
+    return (v >> 48).to(tl.int32), need - ((v >> 24) & 0xFFFFFF).to(tl.int32), (v & 0xFFFFFF).to(tl.int32)
 
 
 @triton.jit
@@ -398,7 +401,7 @@ def _topk_list_kernel(SCORES, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.c
         tau_mask = tl.zeros((), tl.int64)
         for p in range(DIGITS):
             hist = tl.histogram(((u >> (24 - 8 * p)) & 0xFF).to(tl.int32), 256, mask=(u & tau_mask) == tau)
-            b, r = _bucket(hist, r)
+            b, r, _ = _bucket(hist, r)
             tau |= b.to(tl.int64) << (24 - 8 * p)
             tau_mask |= 0xFF << (24 - 8 * p)
         thr = tl.where(tau >= 0x80000000, tau - 0x80000000, 0xFFFFFFFF - tau).to(tl.uint32).to(tl.float32, bitcast=True)
@@ -510,7 +513,6 @@ def _radix_select(SCORES, CSCORE, CNT, SMALL, row, S, m, need, listed, CAPS, u_r
     hi_mask = tl.zeros((), tl.int64)
     few = tl.zeros((NS,), tl.int64)                                    # the copied-out keys
     n_few = tl.full((), -1, tl.int32)                                  # how many (-1: not copied out yet)
-    bins = tl.arange(0, 256)
     for p in range(4):                                                 # most significant digit first
         shift = 24 - 8 * p
         if n_few < 0:
@@ -522,10 +524,9 @@ def _radix_select(SCORES, CSCORE, CNT, SMALL, row, S, m, need, listed, CAPS, u_r
         else:
             ok = (tl.arange(0, NS) < n_few) & ((few & hi_mask) == prefix)
             hist = tl.histogram(((few >> shift) & 0xFF).to(tl.int32), 256, mask=ok)
-        b, need = _bucket(hist, need)
+        b, need, in_bin = _bucket(hist, need)
         prefix |= b.to(tl.int64) << shift
         hi_mask |= 0xFF << shift
-        in_bin = tl.sum(tl.where(bins == b, hist, 0), axis=0)
         if (n_few < 0) & (in_bin <= NS) & (p < 3):
             if IN_REGS:
                 few = _copy_out(SMALL, row, u_regs, ok_regs & ((u_regs & hi_mask) == prefix), NS)
@@ -539,13 +540,18 @@ def _radix_select(SCORES, CSCORE, CNT, SMALL, row, S, m, need, listed, CAPS, u_r
 def _write_selected(dst, idx, u, ok, prefix, need, K, base, taken_eq):
     """One tile of a row's keys (idx: their indices, in index order) -> the ones in its top K written at
     dst[base:]: keys above the K-th largest (prefix) and the first `need` equal to it (ties toward the
-    lower index) -> (base, taken_eq) after the tile."""
-    eq = ok & (u == prefix)
-    eq_rank = taken_eq + tl.cumsum(eq.to(tl.int32), axis=0)            # 1-based rank among equal keys, in index order
-    sel = (ok & (u > prefix)) | (eq & (eq_rank <= need))
-    pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    lower index) -> (base, taken_eq) after the tile. Both running counts (keys above, keys equal) come
+    from one scan of a packed pair (a tile holds under 2^15 keys); the equal keys written before key i
+    are then min(rank, need) less those written before the tile."""
+    above, eq = ok & (u > prefix), ok & (u == prefix)
+    both = tl.cumsum(above.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+    eq_rank = taken_eq + (both >> 16)                                  # 1-based rank among equal keys, in index order
+    before = tl.minimum(taken_eq, need)                                # equal keys written by earlier tiles
+    sel = above | (eq & (eq_rank <= need))
+    pos = base + (both & 0xFFFF) + tl.minimum(eq_rank, need) - before - 1
     tl.store(dst + pos, idx.to(tl.int32), mask=sel & (pos < K))        # (never past the row, even if wrong)
-    return base + tl.sum(sel.to(tl.int32), axis=0), taken_eq + tl.sum(eq.to(tl.int32), axis=0)
+    tile = tl.sum(above.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+    return base + (tile & 0xFFFF) + tl.minimum(taken_eq + (tile >> 16), need) - before, taken_eq + (tile >> 16)
 
 
 @triton.jit
@@ -638,7 +644,11 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
             raise ValueError(f"topk_indices: {name} = {v} is not a power of two")
     if (segments is not None and segments < 1) or (cap is not None and cap < 1):
         raise ValueError(f"topk_indices: segments = {segments} and cap = {cap} must be at least 1")
+    if max(block or 0, regs or 0) > 16384:
+        raise ValueError(f"topk_indices: block = {block}, regs = {regs}: at most 16384 (a tile's two counts share an int32)")
     B, T, S = scores.shape
+    if S >= 1 << 24:
+        raise ValueError(f"topk_indices: {S} keys a row; the radix select counts up to 2^24 - 1")
     rows = B * T
     segs = segments or max(1, min(8, programs // rows))
     many = rows >= 1024

@@ -546,9 +546,12 @@ def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits,
         kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 1, 0, digits=5)
     for bad, match in ((dict(few=3), "few = 3 is not a power of two"), (dict(sample=1000), "sample = 1000 is not"),
                        (dict(block=96), "block = 96 is not"), (dict(segments=0), "segments = 0"), (dict(cap=0), "cap = 0"),
+                       (dict(block=32768), "at most 16384"),
                        (dict(regs=100), "regs = 100 is not"), (dict(sample=0), "sample = 0 is not")):
         with pytest.raises(ValueError, match=match):
             kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 1, 0, **bad)
+    with pytest.raises(ValueError, match="16777216 keys a row"):        # past the radix select's 24-bit counts
+        kernels_cuda.topk_indices(torch.empty(1, 1, 1 << 24, device="meta"), 1, 0)
     import indexer
     rng = np.random.default_rng(seed)
     S = past + T
