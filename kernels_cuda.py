@@ -644,8 +644,6 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
             raise ValueError(f"topk_indices: {name} = {v} is not a power of two")
     if (segments is not None and segments < 1) or (cap is not None and cap < 1):
         raise ValueError(f"topk_indices: segments = {segments} and cap = {cap} must be at least 1")
-    if max(block or 0, regs or 0) > 16384:
-        raise ValueError(f"topk_indices: block = {block}, regs = {regs}: at most 16384 (a tile's two counts share an int32)")
     B, T, S = scores.shape
     if S >= 1 << 24:
         raise ValueError(f"topk_indices: {S} keys a row; the radix select counts up to 2^24 - 1")
@@ -657,6 +655,8 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
     sample = sample or (4096 if in_regs and S > 65536 else 2048)      # (lists that fit 4096 registers)
     regs = (512 * num_warps if in_regs else 0) if regs is None else regs
     caps = cap or 2 * (4 * K + 1024) // segs                           # room for the sampled threshold's list
+    if max(block, regs) > 16384:                                       # (regs: also as num_warps made it)
+        raise ValueError(f"topk_indices: block = {block}, regs = {regs}: at most 16384 (a tile's two counts share an int32)")
     block = max(16, min(block, triton.next_power_of_2(S)))
     scores, pos = scores.float().contiguous(), _pos_tensor(start_pos, scores.device)
     out = torch.empty(B, T, K, dtype=torch.int32, device=scores.device)

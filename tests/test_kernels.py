@@ -404,6 +404,28 @@ def test_topk_kernel_paths():
         np.testing.assert_array_equal(got.cpu().numpy(), indexer.topk_indices_ref(I, K, past), err_msg=str(shape))
 
 
+def test_topk_kernel_counts_at_their_widths():
+    """Step 2 packs its counts: the radix bucket's (bin, keys above it, keys in it) in 8 + 24 + 24 bits of
+    one int64, and a tile's (keys above the K-th, keys equal to it) in 16 + 16 bits of one int32. Each field
+    past what 16 bits hold, and a tile's at the 16384 keys allowed, all keys equal, streamed and in
+    registers; a row of 2^24 keys refused."""
+    import indexer
+    rng = np.random.default_rng(7)
+    P = lambda a: torch.from_numpy(a).to(DEV)
+    flat = np.full((1, 1, 16384), 0.5, np.float32)                            # 16384 equal keys in one tile
+    for kw in (dict(block=16384, regs=0), dict(regs=16384)):
+        got = kernels_cuda.topk_indices(P(flat), 16384, 16383, sample=8192, **kw).cpu().numpy()
+        np.testing.assert_array_equal(got, indexer.topk_indices_ref(flat, 16384, 16383), err_msg=str(kw))
+    wide = rng.standard_normal((1, 1, 70000)).astype(np.float32)              # 69000 keys above the bucket's
+    one_bin = np.full((1, 1, 65601), 0.25, np.float32)                        # 65600 keys in the chosen bin
+    one_bin[0, 0, 12345] = 1.0
+    for I, K in ((wide, 69000), (one_bin, 1000)):
+        got = kernels_cuda.topk_indices(P(I), K, I.shape[2] - 1, regs=0, sample=32768).cpu().numpy()
+        np.testing.assert_array_equal(got, indexer.topk_indices_ref(I, K, I.shape[2] - 1), err_msg=str(K))
+    with pytest.raises(ValueError, match="16777216 keys a row"):
+        kernels_cuda.topk_indices(torch.empty(1, 1, 1 << 24, device="meta"), 1, 0)
+
+
 @settings(max_examples=10)
 @given(st.integers(1, 2), st.integers(1, 9), st.integers(0, 300), st.sampled_from([1, 4, 16, 64]), st.booleans(),
        st.sampled_from([16, 32, 128]), st.integers(0, 2 ** 31))
@@ -546,12 +568,11 @@ def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits,
         kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 1, 0, digits=5)
     for bad, match in ((dict(few=3), "few = 3 is not a power of two"), (dict(sample=1000), "sample = 1000 is not"),
                        (dict(block=96), "block = 96 is not"), (dict(segments=0), "segments = 0"), (dict(cap=0), "cap = 0"),
-                       (dict(block=32768), "at most 16384"),
+                       (dict(block=32768), "at most 16384"), (dict(regs=32768), "at most 16384"),
+                       (dict(num_warps=64), "regs = 32768"),              # the register tile num_warps makes
                        (dict(regs=100), "regs = 100 is not"), (dict(sample=0), "sample = 0 is not")):
         with pytest.raises(ValueError, match=match):
             kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 1, 0, **bad)
-    with pytest.raises(ValueError, match="16777216 keys a row"):        # past the radix select's 24-bit counts
-        kernels_cuda.topk_indices(torch.empty(1, 1, 1 << 24, device="meta"), 1, 0)
     import indexer
     rng = np.random.default_rng(seed)
     S = past + T
