@@ -541,7 +541,7 @@ def _write_selected(dst, idx, u, ok, prefix, need, K, base, taken_eq):
     """One tile of a row's keys (idx: their indices, in index order) -> the ones in its top K written at
     dst[base:]: keys above the K-th largest (prefix) and the first `need` equal to it (ties toward the
     lower index) -> (base, taken_eq) after the tile. Both running counts (keys above, keys equal) come
-    from one scan of a packed pair (a tile holds under 2^15 keys); the equal keys written before key i
+    from one scan of a packed pair (a tile holds at most 2^14 keys); the equal keys written before key i
     are then min(rank, need) less those written before the tile."""
     above, eq = ok & (u > prefix), ok & (u == prefix)
     both = tl.cumsum(above.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
@@ -624,7 +624,8 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
     Then the K-th largest key of each row's lists (or whole row) by radix select, one program per row,
     the later digits over the keys left in the chosen bin once it holds at most `few` (a power of two).
     With regs (a power of two; 0: never), a row (or its lists) of at most regs keys is read once into
-    registers; a longer one is read again for each radix digit.
+    registers; a longer one is read again for each radix digit. Tiles (block, regs) of at most 16384
+    keys, rows of fewer than 2^24: the select packs its counts.
     Tiles (H200 sweeps): 2048 keys a step with 8 warps for a few decode rows, 512 with 4 for many;
     decode rows (up to 4 rows, or contexts up to 64K): step 2 in registers where the keys fit in 4096
     (2-4 us less at 4K-64K, 5.5 us in a whole 128K layer step), past 64K a sample of 4096 so that the
