@@ -446,18 +446,21 @@ def _keys_at(SCORES, CSCORE, CNT, row, S, rb, ok, listed, CAPS, SEGS: tl.constex
 
 @triton.jit
 def _row_keys(CNT, row, n, kk, CAPS, SEGS: tl.constexpr, LISTS: tl.constexpr):
-    """-> (m, listed): a row's keys to select from: the join of its step-1 lists (listed = 1) when they
-    hold at least kk keys and none overflowed (almost always), else its n causal keys."""
+    """-> (m, listed, widest): a row's keys to select from: the join of its step-1 lists (listed = 1)
+    when they hold at least kk keys and none overflowed (almost always), else its n causal keys; and
+    the longest list."""
     total = tl.zeros((), tl.int32)
     fits = tl.zeros((), tl.int32)
+    widest = tl.zeros((), tl.int32)
     if LISTS:
         fits += 1
         for s in tl.static_range(SEGS):
             c = tl.load(CNT + row * SEGS + s)
             total += c
             fits = fits & ((c >= 0) & (c <= CAPS)).to(tl.int32)
+            widest = tl.maximum(widest, c)
     listed = fits & (total >= kk).to(tl.int32)
-    return tl.where(listed > 0, total, n), listed
+    return tl.where(listed > 0, total, n), listed, widest
 
 
 @triton.jit
@@ -569,6 +572,32 @@ def _select_registers(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk, listed, d
 
 
 @triton.jit
+def _select_strided(CAND, CSCORE, CNT, SMALL, row, kk, dst, K, CAPS, SEGS: tl.constexpr, NS: tl.constexpr,
+                    REGS: tl.constexpr, STRIDE: tl.constexpr):
+    """Step 2 on a listed row whose every list holds at most STRIDE keys: slot j of the register tile is
+    entry j % STRIDE of segment j // STRIDE's list (segments in index order, so the tile is too, with
+    gaps), which spares _select_registers' search for each key's segment in the joined lists."""
+    j = tl.arange(0, REGS)
+    seg, at_seg = j // STRIDE, j % STRIDE
+    ok = (seg < SEGS) & (at_seg < tl.load(CNT + row * SEGS + seg, mask=seg < SEGS, other=0))
+    at = (row.to(tl.int64) * SEGS + seg) * CAPS + at_seg
+    u = _ordered_key(tl.load(CSCORE + at, mask=ok, other=0.0))
+    prefix, need = _radix_select(CSCORE, CSCORE, CNT, SMALL, row, 0, 0, kk, 1, CAPS, u, ok, 16, SEGS, NS,
+                                 True)                                 # (in registers: the streaming arguments unused)
+    idx = tl.load(CAND + at, mask=ok, other=0)
+    _write_selected(dst, idx, u, ok, prefix, need, K, tl.zeros((), tl.int32), tl.zeros((), tl.int32))
+
+
+@triton.jit
+def _select_whole(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk, listed, dst, K, CAPS, BLOCK: tl.constexpr,
+                  SEGS: tl.constexpr, NS: tl.constexpr, REGS: tl.constexpr):  # step 2 on the joined lists, or the row
+    if m <= REGS:
+        _select_registers(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk, listed, dst, K, CAPS, BLOCK, SEGS, NS, REGS)
+    else:
+        _select_streamed(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk, listed, dst, K, CAPS, BLOCK, SEGS, NS)
+
+
+@triton.jit
 def _select_streamed(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk, listed, dst, K, CAPS, BLOCK: tl.constexpr,
                      SEGS: tl.constexpr, NS: tl.constexpr):  # step 2, the row's m keys read again for each pass
     none = tl.zeros((NS,), tl.int64)
@@ -587,25 +616,28 @@ def _select_streamed(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk, listed, ds
 
 @triton.jit
 def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, SMALL, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr,
-                 LISTS: tl.constexpr, NS: tl.constexpr, REGS: tl.constexpr):
+                 LISTS: tl.constexpr, NS: tl.constexpr, REGS: tl.constexpr, STRIDE: tl.constexpr):
     """Reference: indexer.topk_indices_ref (topk_select_ref as indices). Top-k, step 2, one program per
     query row, over its step-1 lists or its whole row (_row_keys; LISTS = False: step 1 did not run): the K-th largest
     key by _radix_select, then every key above it and the lowest-indexed keys equal to it (ties toward
     the lower index) are written out in index order; the row is padded with -1 when it has fewer than
     K causal keys. With REGS > 0, a row of at most REGS keys is read once into registers; a longer one
-    (every row, REGS = 0) is read again for each pass."""
+    (every row, REGS = 0) is read again for each pass. With STRIDE > 0, a listed row whose lists each
+    hold at most STRIDE keys is read into registers by fixed stride (_select_strided)."""
     row = tl.program_id(0)
     n = tl.minimum(tl.load(POS).to(tl.int32) + row % T + 1, S)            # causal keys of this query
     kk = tl.minimum(K, n)
     dst = OUT + row.to(tl.int64) * K
-    m, listed = _row_keys(CNT, row, n, kk, CAPS, SEGS, LISTS)
-    if REGS > 0:
-        if m <= REGS:
-            _select_registers(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk.to(tl.int32), listed, dst, K, CAPS,
-                              BLOCK, SEGS, NS, REGS)
+    m, listed, widest = _row_keys(CNT, row, n, kk, CAPS, SEGS, LISTS)
+    if STRIDE > 0:
+        if (listed > 0) & (widest <= STRIDE):
+            _select_strided(CAND, CSCORE, CNT, SMALL, row, kk.to(tl.int32), dst, K, CAPS, SEGS, NS, REGS, STRIDE)
         else:
-            _select_streamed(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk.to(tl.int32), listed, dst, K, CAPS,
-                             BLOCK, SEGS, NS)
+            _select_whole(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk.to(tl.int32), listed, dst, K, CAPS, BLOCK,
+                          SEGS, NS, REGS)
+    elif REGS > 0:
+        _select_whole(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk.to(tl.int32), listed, dst, K, CAPS, BLOCK,
+                      SEGS, NS, REGS)
     else:
         _select_streamed(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk.to(tl.int32), listed, dst, K, CAPS, BLOCK,
                          SEGS, NS)
@@ -615,7 +647,7 @@ def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, SMALL, POS, T, S, K, CAPS, BLOC
 
 
 def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, cap=None, segments=None, programs=264,
-                 stages=3, digits=2, few=256, regs=None):
+                 stages=3, digits=2, few=256, regs=None, strided=False):
     """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
     causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K:
     indexer.topk_indices_ref.
@@ -624,8 +656,10 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
     Then the K-th largest key of each row's lists (or whole row) by radix select, one program per row,
     the later digits over the keys left in the chosen bin once it holds at most `few` (a power of two).
     With regs (a power of two; 0: never), a row (or its lists) of at most regs keys is read once into
-    registers; a longer one is read again for each radix digit. Tiles (block, regs) of at most 16384
-    keys, rows of fewer than 2^24: the select packs its counts.
+    registers; a longer one is read again for each radix digit. strided: a listed row whose lists each
+    hold at most regs / segments keys (segments rounded up to a power of two) is read by fixed stride,
+    without joining its lists. Tiles (block, regs) of at most 16384 keys, rows of fewer than 2^24: the
+    select packs its counts.
     Tiles (H200 sweeps): 2048 keys a step with 8 warps for a few decode rows, 512 with 4 for many;
     decode rows (up to 4 rows, or contexts up to 64K): step 2 in registers where the keys fit in 4096
     (2-4 us less at 4K-64K, 5.5 us in a whole 128K layer step), past 64K a sample of 4096 so that the
@@ -669,8 +703,9 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
         _topk_list_kernel[(rows, segs)](scores, lists, listed, cnt, pos, T, S, K, caps, BLOCK=block, SAMPLE=sample,
                                         STAGES=stages, DIGITS=digits, num_warps=num_warps)
     small = torch.empty(rows, few, dtype=torch.int32, device=scores.device)   # step 2's copied-out keys
+    stride = regs // triton.next_power_of_2(segs) if strided and lists_ else 0
     _topk_kernel[(rows,)](scores, out, lists, listed, cnt, small, pos, T, S, K, caps, BLOCK=block, SEGS=segs, LISTS=lists_,
-                          NS=few, REGS=regs, num_warps=num_warps)
+                          NS=few, REGS=regs, STRIDE=stride, num_warps=num_warps)
     return out
 
 

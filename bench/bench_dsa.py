@@ -49,13 +49,15 @@ IDX_CONFIGS = [dict(bq=bq, block_n=n, num_warps=w, num_stages=st) for bq, n, w, 
                 (1, 128, 4, 4), (2, 64, 8, 3)]]
 IDX_DECODE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n, w, st in
                       [(64, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 3), (64, 4, 5), (256, 4, 3)]]
-TOPK_CONFIGS = [dict(block=b, num_warps=w) for b, w in [(2048, 8), (1024, 4), (4096, 16), (2048, 16), (1024, 8)]]
+TOPK_CONFIGS = [dict(block=b, num_warps=w) for b, w in [(2048, 8), (1024, 4), (4096, 16), (2048, 16), (1024, 8)]] + [
+    dict(strided=True)]                                                   # (listed rows read by fixed stride)
 # one decode row (latency): its own sweep at every shape, step 1's programs (segments: fewer than the default 8
 # make step 1 slower and step 2's join of the lists faster, RESULTS.md) and the size of step 2's copied-out bin
 # (few) included, and the many-row choice (a sample of 2048, every row streamed) beside the default
 TOPK_B1_CONFIGS = [dict(block=b, num_warps=w, segments=sg, few=f) for b, w, sg, f in
                    [(2048, 8, None, 256), (1024, 8, None, 256), (4096, 16, None, 256), (1024, 4, None, 256),
-                    (2048, 8, 2, 256), (2048, 8, 4, 256), (1024, 8, 4, 256), (2048, 8, None, 1024)]] + [dict(sample=2048, regs=0)]
+                    (2048, 8, 2, 256), (2048, 8, 4, 256), (1024, 8, 4, 256), (2048, 8, None, 1024)]] + [
+    dict(sample=2048, regs=0), dict(strided=True), dict(strided=True, block=1024)]
 MLA_CONFIGS = [dict(block_h=h, block_n=n, num_warps=w, num_stages=st, q_in_loop=ql, halves=hv) for h, n, w, st, ql, hv in
                [(64, 64, 8, 2, True, False), (64, 64, 8, 2, False, False), (64, 64, 8, 1, False, True),
                 (64, 64, 8, 2, False, True), (64, 64, 8, 1, False, False), (64, 32, 8, 2, False, False),

@@ -386,21 +386,26 @@ def test_moe_takes_the_bookkeeping_kernels():
         np.testing.assert_array_equal(got.cpu().numpy(), backend_torch.bf16_round(y).cpu().numpy())
 
 
-def test_topk_kernel_paths():
-    """Step 2's two paths in one call, with step 1's lists and without: rows of 61-68 causal keys against a
-    64-key register tile (unlisted rows in registers, listed rows in registers and streamed); and the
-    defaults a decode step takes (a 4096-key register tile; lists past 4 x 2048 keys, or 4 x 4096 past 64K
-    context), on rows long enough to build lists and one too short to."""
+@pytest.mark.parametrize("strided", [False, True])
+def test_topk_kernel_paths(strided):
+    """Step 2's paths in one call, with step 1's lists and without: rows of 61-68 causal keys against a
+    64-key register tile (unlisted rows in registers, listed rows in registers and streamed; strided: listed
+    rows whose 3 lists hold at most 64 / 4 keys each read by fixed stride, and rising rows, whose top keys
+    all sit in the last list, joined as before); and the defaults a decode step takes (a 4096-key register
+    tile; lists past 4 x 2048 keys, or 4 x 4096 past 64K context), on rows long enough to build lists and
+    one too short to."""
     import indexer
     rng = np.random.default_rng(5)
     I = rng.standard_normal((2, 8, 68)).astype(np.float32)
     I[1, 3, :20] = np.round(I[1, 3, :20])                                  # ties inside a listed row
-    got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), 12, 60, sample=16, regs=64, segments=3, few=4, block=16)
+    I[0, 5] = np.linspace(-1, 1, 68)                                      # rising: the longest list past 16
+    got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), 12, 60, sample=16, regs=64, segments=3, few=4, block=16,
+                                    strided=strided)
     np.testing.assert_array_equal(got.cpu().numpy(), indexer.topk_indices_ref(I, 12, 60))
     for shape, K in (((1, 1, 20000), 2048), ((1, 2, 17000), 2048), ((1, 1, 12000), 2048), ((1, 1, 70000), 1024)):
         I = rng.standard_normal(shape).astype(np.float32)
         past = shape[2] - shape[1]
-        got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), K, past)
+        got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), K, past, strided=strided)
         np.testing.assert_array_equal(got.cpu().numpy(), indexer.topk_indices_ref(I, K, past), err_msg=str(shape))
 
 
@@ -550,8 +555,9 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
 @settings(max_examples=16)
 @given(st.integers(1, 2), st.integers(1, 4), st.integers(0, 150), st.integers(1, 40), st.sampled_from(["normal", "ties", "equal"]),
        st.sampled_from([16, 64]), st.sampled_from([(2048, None), (16, None), (16, 1)]), st.sampled_from([None, 1, 3]),
-       st.sampled_from([1, 2, 4]), st.sampled_from([1, 4, 256]), st.sampled_from([0, 16, 64, 256]), st.integers(0, 2 ** 31))
-def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits, few, regs, seed):
+       st.sampled_from([1, 2, 4]), st.sampled_from([1, 4, 256]), st.sampled_from([0, 16, 64, 256]), st.booleans(),
+       st.integers(0, 2 ** 31))
+def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits, few, regs, strided, seed):
     """Exact top-k as sets against topk_select_ref: contexts shorter than k, exactly k (past + t + 1 =
     K happens), one token; many ties (rounded scores, +0 and -0), a row of one repeated value, -inf.
     A small sample puts rows of >= 64 keys on the sampled-threshold lists (in 1 or 3 segments per row,
@@ -560,7 +566,8 @@ def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits,
     left in the chosen bin once it holds at most `few` (1, 4: sometimes, 256: after the first digit).
     Step 2 holds a row's keys (or lists) in registers when they number at most `regs`, else streams
     them for each digit: 16 streams almost every row, 256 none, 0 (the kernel compiled without the
-    register path) every row (test_topk_kernel_paths: both paths in one call, with lists)."""
+    register path) every row (test_topk_kernel_paths: both paths in one call, with lists); strided reads
+    listed rows whose lists fit regs / segments each by fixed stride."""
     sample, cap = sample_cap
     with pytest.raises(ValueError, match="K = 0 < 1"):
         kernels_cuda.topk_indices(torch.zeros(1, 1, 4, device=DEV), 0, 0)
@@ -583,7 +590,7 @@ def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits,
         I[:] = np.float32(rng.standard_normal())                   # every causal key tied
     I[0, 0, 0] = -np.inf                                            # a masked key among the causal ones
     got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), K, past, block=block, sample=sample, cap=cap,
-                                     segments=segments, digits=digits, few=few, regs=regs).cpu().numpy()
+                                     segments=segments, digits=digits, few=few, regs=regs, strided=strided).cpu().numpy()
     np.testing.assert_array_equal(got, indexer.topk_indices_ref(I, K, past))   # the contract, whole
     want = indexer.topk_select_ref(I, K, past)                      # [B, T, S] bool, ties toward the lower index
     for b in range(B):
