@@ -389,11 +389,11 @@ def test_moe_takes_the_bookkeeping_kernels():
 @pytest.mark.parametrize("strided", [False, True])
 def test_topk_kernel_paths(strided):
     """Step 2's paths in one call, with step 1's lists and without: rows of 61-68 causal keys against a
-    64-key register tile (unlisted rows in registers, listed rows in registers and streamed; strided: listed
-    rows whose 3 lists hold at most 64 / 4 keys each read by fixed stride, and rising rows, whose top keys
-    all sit in the last list, joined as before); and the defaults a decode step takes (a 4096-key register
-    tile; lists past 4 x 2048 keys, or 4 x 4096 past 64K context), on rows long enough to build lists and
-    one too short to."""
+    64-key register tile (unlisted rows in registers, listed rows in registers and streamed; their lists
+    of 24-32 keys are too long for strided's 64 / 4); and the defaults a decode step takes (a 4096-key
+    register tile; lists past 4 x 2048 keys, or 4 x 4096 past 64K context), on rows long enough to build
+    lists and one too short to. strided: the same rows with a 128-key tile (lists of up to 32 read by fixed
+    stride, ten rows of one call), a list of exactly one past the stride (joined), one whole-row list."""
     import indexer
     rng = np.random.default_rng(5)
     I = rng.standard_normal((2, 8, 68)).astype(np.float32)
@@ -402,6 +402,16 @@ def test_topk_kernel_paths(strided):
     got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), 12, 60, sample=16, regs=64, segments=3, few=4, block=16,
                                     strided=strided)
     np.testing.assert_array_equal(got.cpu().numpy(), indexer.topk_indices_ref(I, 12, 60))
+    if strided:
+        got = kernels_cuda.topk_indices(torch.from_numpy(I).to(DEV), 12, 60, sample=16, regs=128, segments=3, few=4,
+                                        block=16, strided=True)
+        np.testing.assert_array_equal(got.cpu().numpy(), indexer.topk_indices_ref(I, 12, 60))
+        tight = np.full((1, 1, 68), -1, np.float32)                       # 2 lists: 33 keys (stride 32 + 1), 5
+        tight[0, 0, :33], tight[0, 0, 32], tight[0, 0, 48::4] = 1, 2, 1
+        flat = np.full((1, 1, 64), 0.5, np.float32)                       # 1 list of every key, K past the row
+        for I2, K, kw in ((tight, 3, dict(regs=64, segments=2, block=16)), (flat, 100, dict(regs=64, segments=1))):
+            got = kernels_cuda.topk_indices(torch.from_numpy(I2).to(DEV), K, I2.shape[2] - 1, sample=16, strided=True, **kw)
+            np.testing.assert_array_equal(got.cpu().numpy(), indexer.topk_indices_ref(I2, K, I2.shape[2] - 1))
     for shape, K in (((1, 1, 20000), 2048), ((1, 2, 17000), 2048), ((1, 1, 12000), 2048), ((1, 1, 70000), 1024)):
         I = rng.standard_normal(shape).astype(np.float32)
         past = shape[2] - shape[1]
