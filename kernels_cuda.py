@@ -405,8 +405,8 @@ def _topk_list_kernel(SCORES, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.c
             tau |= b.to(tl.int64) << (24 - 8 * p)
             tau_mask |= 0xFF << (24 - 8 * p)
         thr = tl.where(tau >= 0x80000000, tau - 0x80000000, 0xFFFFFFFF - tau).to(tl.uint32).to(tl.float32, bitcast=True)
-        per = (n + segs * BLOCK - 1) // (segs * BLOCK) * BLOCK         # this segment's keys: [lo, hi)
-        lo = seg * per
+        per = (n + segs * 128 - 1) // (segs * 128) * 128               # this segment's keys: [lo, hi), every
+        lo = seg * per                                                 # segment a share (not whole BLOCKs)
         hi = tl.minimum(lo + per, n)
         cnt = tl.zeros((), tl.int32)
         for s0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
@@ -647,20 +647,24 @@ def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, SMALL, POS, T, S, K, CAPS, BLOC
 
 
 def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, cap=None, segments=None, programs=264,
-                 stages=3, digits=2, few=256, regs=None, strided=False):
+                 stages=3, digits=2, few=256, regs=None, strided=None):
     """scores [B, T, S] f32, start_pos (int or device tensor) -> [B, T, K] int32: each query's top-K
     causal keys (ties toward the lower index) in index order, then -1 where it has fewer than K:
     indexer.topk_indices_ref.
     Rows of at least 4 * sample keys first list the keys above a sampled threshold, in `segments`
-    pieces per row (enough programs to fill the GPU for a few rows), each list at most cap keys.
+    equal pieces per row, each list at most cap keys (segments, default: enough programs to fill the
+    GPU twice, once where step 2 runs in registers and joins the lists: 2 lists, not 4, at 64 rows of
+    16K, 33 against 36 us on an H200).
     Then the K-th largest key of each row's lists (or whole row) by radix select, one program per row,
     the later digits over the keys left in the chosen bin once it holds at most `few` (a power of two).
     With regs (a power of two; 0: never), a row (or its lists) of at most regs keys is read once into
     registers; a longer one is read again for each radix digit. strided: a listed row whose lists each
     hold at most regs / segments keys (segments rounded up to a power of two) is read by fixed stride,
-    without joining its lists. Tiles (block, regs) of at most 16384 keys, rows of fewer than 2^24: the
-    select packs its counts.
-    Tiles (H200 sweeps): 2048 keys a step with 8 warps for a few decode rows, 512 with 4 for many;
+    without joining its lists (None: for up to 4 rows in registers; 4-5 us less a decode row at
+    8K-128K on an H200, and 12 us more at 64 rows of 64K, bench/RESULTS.md). Tiles (block, regs) of
+    at most 16384 keys, rows of fewer than 2^24: the select packs its counts.
+    Tiles (H200 sweeps): 1024 keys a step (2048 past 64K) with 8 warps for decode rows, 512 with 4 for
+    many (1024 rather than 2048: 0.7-1 us less at one row of 8K-20K, 6 us at 64 rows of 64K);
     decode rows (up to 4 rows, or contexts up to 64K): step 2 in registers where the keys fit in 4096
     (2-4 us less at 4K-64K, 5.5 us in a whole 128K layer step), past 64K a sample of 4096 so that the
     lists do (2.4-3.3K keys; a sample of 2048 lists about 4K at 128K); more rows at 128K and prefill rows:
@@ -683,10 +687,10 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
     if S >= 1 << 24:
         raise ValueError(f"topk_indices: {S} keys a row; the radix select counts up to 2^24 - 1")
     rows = B * T
-    segs = segments or max(1, min(8, programs // rows))
     many = rows >= 1024
-    block, num_warps = block or (512 if many else 2048), num_warps or (4 if many else 8)
+    block, num_warps = block or (512 if many else 1024 if S <= 65536 else 2048), num_warps or (4 if many else 8)
     in_regs = not many and (rows <= 4 or S <= 65536)                 # step 2 in registers (H200 sweeps)
+    segs = segments or max(1, min(8, (programs // 2 if in_regs else programs) // rows))   # (fewer lists to join)
     sample = sample or (4096 if in_regs and S > 65536 else 2048)      # (lists that fit 4096 registers)
     regs = (512 * num_warps if in_regs else 0) if regs is None else regs
     caps = cap or 2 * (4 * K + 1024) // segs                           # room for the sampled threshold's list
@@ -703,6 +707,7 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
         _topk_list_kernel[(rows, segs)](scores, lists, listed, cnt, pos, T, S, K, caps, BLOCK=block, SAMPLE=sample,
                                         STAGES=stages, DIGITS=digits, num_warps=num_warps)
     small = torch.empty(rows, few, dtype=torch.int32, device=scores.device)   # step 2's copied-out keys
+    strided = regs > 0 and rows <= 4 if strided is None else strided
     stride = regs // triton.next_power_of_2(segs) if strided and lists_ else 0
     _topk_kernel[(rows,)](scores, out, lists, listed, cnt, small, pos, T, S, K, caps, BLOCK=block, SEGS=segs, LISTS=lists_,
                           NS=few, REGS=regs, STRIDE=stride, num_warps=num_warps)

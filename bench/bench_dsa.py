@@ -16,8 +16,8 @@ run in the same process, on one GPU, with the measured rooflines.
 Each sequence has its own cache and the selected indices are random and distinct, the L2 is flushed
 before every timed call (bench_gemm.timed), median of 20. Decode rows (and their baselines) are replayed from a CUDA
 graph, as a decode step runs: Python's launch cost (tens of microseconds) is not theirs. The first shape of each kernel sweeps a few tile
-configurations and the rest use the best; batch-1 rows of top-k and sparse MLA decode (latency) sweep
-their own at every shape. `--smoke` runs tiny shapes (on the CPU under
+configurations and the rest use the best; top-k rows and batch-1 rows of sparse MLA decode (latency) sweep
+their own at every shape (top-k rows keep each configuration's time and the defaults'). `--smoke` runs tiny shapes (on the CPU under
 TRITON_INTERPRET=1 the timings mean nothing: it only checks that the script runs).
 
     python bench/bench_dsa.py [--out DIR] [--smoke]      (writes DIR/dsa.json, prints the table)
@@ -49,15 +49,17 @@ IDX_CONFIGS = [dict(bq=bq, block_n=n, num_warps=w, num_stages=st) for bq, n, w, 
                 (1, 128, 4, 4), (2, 64, 8, 3)]]
 IDX_DECODE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n, w, st in
                       [(64, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 3), (64, 4, 5), (256, 4, 3)]]
-TOPK_CONFIGS = [dict(block=b, num_warps=w) for b, w in [(2048, 8), (1024, 4), (4096, 16), (2048, 16), (1024, 8)]] + [
-    dict(strided=True)]                                                   # (listed rows read by fixed stride)
-# one decode row (latency): its own sweep at every shape, step 1's programs (segments: fewer than the default 8
-# make step 1 slower and step 2's join of the lists faster, RESULTS.md) and the size of step 2's copied-out bin
-# (few) included, and the many-row choice (a sample of 2048, every row streamed) beside the default
-TOPK_B1_CONFIGS = [dict(block=b, num_warps=w, segments=sg, few=f) for b, w, sg, f in
-                   [(2048, 8, None, 256), (1024, 8, None, 256), (4096, 16, None, 256), (1024, 4, None, 256),
-                    (2048, 8, 2, 256), (2048, 8, 4, 256), (1024, 8, 4, 256), (2048, 8, None, 1024)]] + [
-    dict(sample=2048, regs=0), dict(strided=True), dict(strided=True, block=1024)]
+# top-k, many decode rows (the first of each list: the defaults)
+TOPK_CONFIGS = [dict(), dict(block=2048), dict(block=1024, num_warps=4), dict(block=4096, num_warps=16), dict(strided=True),
+                dict(segments=1), dict(segments=4), dict(segments=8)]
+# one decode row (latency): step 1's programs (segments: fewer than the default 8 make step 1 slower and
+# step 2's join of the lists faster, RESULTS.md), the size of step 2's copied-out bin (few), step 2 by
+# fixed stride or over the joined lists (strided), and the many-row choice (a sample of 2048, every row
+# streamed) beside the default. Top-k rows sweep their configurations at every shape; each row keeps
+# every configuration's time (sweep)
+TOPK_B1_CONFIGS = [dict(), dict(block=2048), dict(block=1024), dict(block=4096, num_warps=16), dict(block=1024, num_warps=4),
+                   dict(segments=2), dict(segments=4), dict(few=1024), dict(sample=2048, regs=0), dict(strided=False),
+                   dict(strided=False, segments=4)]
 MLA_CONFIGS = [dict(block_h=h, block_n=n, num_warps=w, num_stages=st, q_in_loop=ql, halves=hv) for h, n, w, st, ql, hv in
                [(64, 64, 8, 2, True, False), (64, 64, 8, 2, False, False), (64, 64, 8, 1, False, True),
                 (64, 64, 8, 2, False, True), (64, 64, 8, 1, False, False), (64, 32, 8, 2, False, False),
@@ -102,7 +104,7 @@ def render(meta, rows):  # (bench_v4_kernels.py's too: its rows have no tile con
         of = max(tf / peak, tb / (roof["copy_gbs"] / 1e3))
         base = f"{1e3 * r['baseline_ms']:.1f}" if r.get("baseline_ms") else "-"
         speed = f"{r['baseline_ms'] / r['ms']:.1f}x" if r.get("baseline_ms") else "-"
-        cfg = ", ".join(f"{k}={v}" for k, v in r.get("config", {}).items())
+        cfg = ", ".join(f"{k}={v}" for k, v in r.get("config", {}).items()) or "defaults"
         if r.get("tilelang_ms"):
             side = f" {1e3 * r['tilelang_ms']:.1f} | {r['tilelang_ms'] / r['ms']:.2f}x | {r['tilelang_agree']} |"
         else:
@@ -149,13 +151,15 @@ def main():
         fn()
         return (time.perf_counter() - t) * 1e3
 
-    def best(fn, configs, graph=False):  # -> (ms, config) of the fastest configuration (the first under --smoke)
-        res = []
+    def best(fn, configs, graph=False, sweep=None):  # -> (ms, config) of the fastest configuration (the first
+        res = []                                               # under --smoke); sweep: a list given gets every one
         for c in configs[:1] if smoke else configs:
             try:
                 res.append((timed(lambda: fn(**c), graph), c))
             except Exception as e:                                     # out of shared memory / registers
                 print(f"config {c} failed: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
+        if sweep is not None:
+            sweep += [[c, ms] for ms, c in res]
         return min(res, key=lambda r: r[0])
 
     def shapes(group, full, tiny):  # the shapes of a group of rows: none where --only leaves it out
@@ -219,19 +223,16 @@ def main():
 
     # ---- top-k 2048
     KT = 2048 if not smoke else 8
-    cfg = None
     for B, L in shapes("top-k", [(64, 65536), (1, 4096), (1, 16384), (1, 65536), (1, 131072), (1, 8192), (1, 12288),
                                  (64, 4096), (64, 16384), (64, 131072)],
                        [(2, 40), (1, 40)]):
         sc = randn(B, 1, L)
         fn = lambda **c: kernels_cuda.topk_indices(sc, KT, L - 1, **c)
-        if B == 1:
-            ms, chosen = best(fn, TOPK_B1_CONFIGS, True)
-        else:
-            ms, cfg = best(fn, TOPK_CONFIGS, True) if cfg is None else (timed(lambda: fn(**cfg), True), cfg)
-            chosen = cfg
+        sweep = []
+        ms, chosen = best(fn, TOPK_B1_CONFIGS if B == 1 else TOPK_CONFIGS, True, sweep)
         add(dict(kernel="top-k decode", shape=f"B={B} L={L} k={KT}", ms=ms,
-                 baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1), True), bytes=4 * B * L, config=chosen))
+                 baseline_ms=timed(lambda: torch.topk(sc, KT, dim=-1), True), bytes=4 * B * L, config=chosen,
+                 default_ms=sweep[0][1], sweep=sweep))   # (each list's first: the defaults)
         if tilelang:                                    # each row's whole [0, L)
             s2 = sc[:, 0].contiguous()
             lo = torch.zeros(B, dtype=torch.int32, device=dev)

@@ -386,14 +386,15 @@ def test_moe_takes_the_bookkeeping_kernels():
         np.testing.assert_array_equal(got.cpu().numpy(), backend_torch.bf16_round(y).cpu().numpy())
 
 
-@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("strided", [None, False, True])
 def test_topk_kernel_paths(strided):
     """Step 2's paths in one call, with step 1's lists and without: rows of 61-68 causal keys against a
     64-key register tile (unlisted rows in registers, listed rows in registers and streamed; their lists
     of 24-32 keys are too long for strided's 64 / 4); and the defaults a decode step takes (a 4096-key
     register tile; lists past 4 x 2048 keys, or 4 x 4096 past 64K context), on rows long enough to build
     lists and one too short to. strided: the same rows with a 128-key tile (lists of up to 32 read by fixed
-    stride, ten rows of one call), a list of exactly one past the stride (joined), one whole-row list."""
+    stride, ten rows of one call), a list of exactly one past the stride (joined), one whole-row list;
+    None: as a caller who leaves it out (strided where the tile is in registers)."""
     import indexer
     rng = np.random.default_rng(5)
     I = rng.standard_normal((2, 8, 68)).astype(np.float32)
@@ -565,8 +566,8 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
 @settings(max_examples=16)
 @given(st.integers(1, 2), st.integers(1, 4), st.integers(0, 150), st.integers(1, 40), st.sampled_from(["normal", "ties", "equal"]),
        st.sampled_from([16, 64]), st.sampled_from([(2048, None), (16, None), (16, 1)]), st.sampled_from([None, 1, 3]),
-       st.sampled_from([1, 2, 4]), st.sampled_from([1, 4, 256]), st.sampled_from([0, 16, 64, 256]), st.booleans(),
-       st.integers(0, 2 ** 31))
+       st.sampled_from([1, 2, 4]), st.sampled_from([1, 4, 256]), st.sampled_from([0, 16, 64, 256]),
+       st.sampled_from([None, False, True]), st.integers(0, 2 ** 31))
 def test_topk_kernel(B, T, past, K, values, block, sample_cap, segments, digits, few, regs, strided, seed):
     """Exact top-k as sets against topk_select_ref: contexts shorter than k, exactly k (past + t + 1 =
     K happens), one token; many ties (rounded scores, +0 and -0), a row of one repeated value, -inf.
