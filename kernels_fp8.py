@@ -172,16 +172,17 @@ def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER, SA, SB, C, ARRIV
         if tl.atomic_add(ARRIVED + tile, 1, sem="acq_rel") == SPLIT - 1:    # scope by the count (acquired by the last)
             tl.atomic_xchg(ARRIVED + tile, 0)                              # ready for the next call
             for m in range((tile // n_n) * BLOCK_M, tl.minimum(M, (tile // n_n) * BLOCK_M + BLOCK_M)):
-                _combine_row(P, SA, SB, C, m, (tile % n_n) * BLOCK_N, M, N, NUM_KB, BLOCK_N, KB_TILE)
+                _combine_row(P, SA, SB, C, m, (tile % n_n) * BLOCK_N, M, N, NUM_KB, BLOCK_N, KB_TILE, ".cg")
 
 
 @triton.jit
-def _combine_row(P, SA, SB, C, m, n0, M, N, NUM_KB, BLOCK_N: tl.constexpr, KB_TILE: tl.constexpr):
+def _combine_row(P, SA, SB, C, m, n0, M, N, NUM_KB, BLOCK_N: tl.constexpr, KB_TILE: tl.constexpr, CACHE: tl.constexpr):
     """C[m, n] = sum over kb in order of P[kb, m, n] * (sa[m, kb] sb[n // 128, kb]), the fp32 operations
     of _fp8_gemm_kernel's loop, for the BLOCK_N columns n from n0, within one weight scale block. The KB_TILE
     blocks' partials of a step are KB_TILE independent loads, issued together (one trip to L2 a step,
     not one a block), then added in order. Blocks past NUM_KB read as 0 and add +0, which leaves the
-    sum as it is (it starts at +0 and, rounding to nearest, never becomes -0)."""
+    sum as it is (it starts at +0 and, rounding to nearest, never becomes -0). CACHE ".cg": the partials
+    read from L2 (written by other programs of the same launch)."""
     m = m + tl.zeros((), tl.int64)                                     # (a program id, or a loop's count)
     rn = n0 + tl.arange(0, BLOCK_N)
     ok = rn < N
@@ -192,7 +193,7 @@ def _combine_row(P, SA, SB, C, m, n0, M, N, NUM_KB, BLOCK_N: tl.constexpr, KB_TI
             live = kb0 + j < NUM_KB
             # (live as a tensor here: the interpreter refuses a scalar mask combined into a tensor load's)
             p = tl.load(P + ((kb0 + j) * M + m) * N + rn, mask=ok & (rn * 0 + kb0 + j < NUM_KB), other=0.0,
-                        cache_modifier=".cg")                           # (L2: written by other programs)
+                        cache_modifier=CACHE)
             s = tl.load(SA + m * NUM_KB + kb0 + j, mask=live, other=0.0) * tl.load(sb + kb0 + j, mask=live, other=0.0)
             acc += p * s
     tl.store(C + m * N + rn, acc.to(C.dtype.element_ty), mask=ok)
@@ -203,7 +204,7 @@ def _fp8_gemm_combine_kernel(P, SA, SB, C, M, N, NUM_KB, BLOCK_N: tl.constexpr, 
     """C [M, N] from the partials (_combine_row): one warp per (row, BLOCK_N columns within one weight
     scale block)."""
     m, nb = tl.program_id(0), tl.program_id(1)
-    _combine_row(P, SA, SB, C, m, nb * BLOCK_N, M, N, NUM_KB, BLOCK_N, KB_TILE)
+    _combine_row(P, SA, SB, C, m, nb * BLOCK_N, M, N, NUM_KB, BLOCK_N, KB_TILE, "")
 
 
 # Tile configurations by M (data): small M is weight-bandwidth bound, large M compute bound
@@ -225,17 +226,18 @@ def gemm_config(M, configs=GEMM_CONFIGS):
             return bm, bn, warps, stages
 
 
-_ARRIVED = {}                                          # (device, stream) -> int32 counts for fold, kept at 0
+_ARRIVED = {}     # device -> int32 counts for fold, kept at 0 between calls; every one made is kept (graphs
+                  # captured with an older one still use it). One stream at a time: two folded GEMMs running
+                  # at once on two streams would share counts
 
 
-def _arrived(device, tiles):  # -> a zeroed int32 [>= tiles] of this stream's, or None while a graph captures
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    have = _ARRIVED.get(key)
-    if have is None or have.numel() < tiles:
+def _arrived(device, tiles):  # -> a zeroed int32 [>= tiles], or None while a graph captures before there is one
+    have = _ARRIVED.setdefault(str(device), [])
+    if not have or have[-1].numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None                                # (zeroed only at replay: not a buffer to keep)
-        have = _ARRIVED[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-    return have
+        have.append(torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device))
+    return have[-1]
 
 
 def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decode=False, fnuz=False, split_k=None,
@@ -275,7 +277,8 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
     _fp8_gemm_partials_kernel[(tiles, split_k)](a, b, p, M, N, K, nkb, kb_per, sa, sb, c, p if arrived is None else arrived,
                                                 split_k,                   # (ARRIVED: unread without FOLD)
                                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, DECODE=decode, FNUZ=fnuz,
-                                                FOLD=arrived is not None, KB_TILE=kbt, num_warps=warps,
+                                                FOLD=arrived is not None, KB_TILE=kbt if arrived is not None else 1,
+                                                num_warps=warps,
                                                 num_stages=stages)
     if arrived is not None:
         return c
