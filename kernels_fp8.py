@@ -153,12 +153,10 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
 # output is bit for bit the unsplit kernel's.
 
 @triton.jit
-def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER, SA, SB, C, ARRIVED, SPLIT,
+def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              DECODE: tl.constexpr, FNUZ: tl.constexpr, FOLD: tl.constexpr, KB_TILE: tl.constexpr):
-    """P [NUM_KB, M, N] float32 = A_kb B_kb^T, unscaled, for KB_PER consecutive K blocks per program.
-    FOLD: the last of a tile's SPLIT programs to store its partials (counted in ARRIVED[tile], which it
-    sets back to 0) adds the tile's partials up as the combine kernel does, and no combine is launched."""
+                              DECODE: tl.constexpr, FNUZ: tl.constexpr):
+    """P [NUM_KB, M, N] float32 = A_kb B_kb^T, unscaled, for KB_PER consecutive K blocks per program."""
     tile, ks = tl.program_id(0), tl.program_id(1)
     n_n = tl.cdiv(N, BLOCK_N)
     rm = (tile // n_n) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -167,44 +165,28 @@ def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER, SA, SB, C, ARRIV
     for kb in range(ks * KB_PER, tl.minimum(NUM_KB, ks * KB_PER + KB_PER)):
         partial = _block_partial(A, B, rm, rn, kb, M, N, K, BLOCK_K, DECODE, FNUZ)
         tl.store(P + (kb * M + rm[:, None]).to(tl.int64) * N + rn[None, :], partial, mask=ok)
-    if FOLD:
-        tl.debug_barrier()                              # every thread's partials stored, then released at GPU
-        if tl.atomic_add(ARRIVED + tile, 1, sem="acq_rel") == SPLIT - 1:    # scope by the count (acquired by the last)
-            tl.atomic_xchg(ARRIVED + tile, 0)                              # ready for the next call
-            for m in range((tile // n_n) * BLOCK_M, tl.minimum(M, (tile // n_n) * BLOCK_M + BLOCK_M)):
-                _combine_row(P, SA, SB, C, m, (tile % n_n) * BLOCK_N, M, N, NUM_KB, BLOCK_N, KB_TILE, ".cg")
 
 
 @triton.jit
-def _combine_row(P, SA, SB, C, m, n0, M, N, NUM_KB, BLOCK_N: tl.constexpr, KB_TILE: tl.constexpr, CACHE: tl.constexpr):
-    """C[m, n] = sum over kb in order of P[kb, m, n] * (sa[m, kb] sb[n // 128, kb]), the fp32 operations
-    of _fp8_gemm_kernel's loop, for the BLOCK_N columns n from n0, within one weight scale block. The KB_TILE
-    blocks' partials of a step are KB_TILE independent loads, issued together (one trip to L2 a step,
-    not one a block), then added in order. Blocks past NUM_KB read as 0 and add +0, which leaves the
-    sum as it is (it starts at +0 and, rounding to nearest, never becomes -0). CACHE ".cg": the partials
-    read from L2 (written by other programs of the same launch)."""
-    m = m + tl.zeros((), tl.int64)                                     # (a program id, or a loop's count)
-    rn = n0 + tl.arange(0, BLOCK_N)
+def _fp8_gemm_combine_kernel(P, SA, SB, C, M, N, NUM_KB, BLOCK_N: tl.constexpr, KB_TILE: tl.constexpr):
+    """C [M, N] = sum over kb in order of P[kb] * (sa[m, kb] sb[n // 128, kb]), the fp32 operations of
+    _fp8_gemm_kernel's loop. One warp per (row, BLOCK_N columns within one weight scale block); the
+    KB_TILE blocks' partials of a step are KB_TILE independent loads, issued together (one trip to L2
+    a step, not one a block), then added in order. Blocks past NUM_KB read as 0 and add +0, which
+    leaves the sum as it is (it starts at +0 and, rounding to nearest, never becomes -0)."""
+    m, nb = tl.program_id(0), tl.program_id(1)
+    rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rn < N
-    sb = SB + (n0 // 128) * NUM_KB                                     # this block's weight scales
+    sb = SB + (nb * BLOCK_N // 128) * NUM_KB                           # this block's weight scales
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for kb0 in range(0, NUM_KB, KB_TILE):
         for j in tl.static_range(KB_TILE):
             live = kb0 + j < NUM_KB
             # (live as a tensor here: the interpreter refuses a scalar mask combined into a tensor load's)
-            p = tl.load(P + ((kb0 + j) * M + m) * N + rn, mask=ok & (rn * 0 + kb0 + j < NUM_KB), other=0.0,
-                        cache_modifier=CACHE)
+            p = tl.load(P + ((kb0 + j) * M + m).to(tl.int64) * N + rn, mask=ok & (rn * 0 + kb0 + j < NUM_KB), other=0.0)
             s = tl.load(SA + m * NUM_KB + kb0 + j, mask=live, other=0.0) * tl.load(sb + kb0 + j, mask=live, other=0.0)
             acc += p * s
-    tl.store(C + m * N + rn, acc.to(C.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _fp8_gemm_combine_kernel(P, SA, SB, C, M, N, NUM_KB, BLOCK_N: tl.constexpr, KB_TILE: tl.constexpr):
-    """C [M, N] from the partials (_combine_row): one warp per (row, BLOCK_N columns within one weight
-    scale block)."""
-    m, nb = tl.program_id(0), tl.program_id(1)
-    _combine_row(P, SA, SB, C, m, nb * BLOCK_N, M, N, NUM_KB, BLOCK_N, KB_TILE, "")
+    tl.store(C + m.to(tl.int64) * N + rn, acc.to(C.dtype.element_ty), mask=ok)
 
 
 # Tile configurations by M (data): small M is weight-bandwidth bound, large M compute bound
@@ -226,28 +208,11 @@ def gemm_config(M, configs=GEMM_CONFIGS):
             return bm, bn, warps, stages
 
 
-_ARRIVED = {}     # device -> int32 counts for fold, kept at 0 between calls; every one made is kept (graphs
-                  # captured with an older one still use it). One stream at a time: two folded GEMMs running
-                  # at once on two streams would share counts
-
-
-def _arrived(device, tiles):  # -> a zeroed int32 [>= tiles], or None while a graph captures before there is one
-    have = _ARRIVED.setdefault(str(device), [])
-    if not have or have[-1].numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None                                # (zeroed only at replay: not a buffer to keep)
-        have.append(torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device))
-    return have[-1]
-
-
-def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decode=False, fnuz=False, split_k=None,
-             fold=False):
+def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decode=False, fnuz=False, split_k=None):
     """a [M, K] fp8, sa [M, K/128] f32, b [N, K] fp8, sb [ceil(N/128), ceil(K/128)] f32 -> [M, N] out_dtype.
     split_k: how many programs share one output tile's K blocks (None: enough to fill the GPU when the
     output has fewer tiles than it has multiprocessors, K is long and the fp32 partials, nkb x M x N,
-    are small: decode; the result is the same either way). fold: a split's last program of each tile
-    adds its partials up, instead of a combine kernel launched after them (the same bits; off until an
-    H200 measures it: bench/RESULTS.md). Reference: quant.fp8_gemm."""
+    are small: decode; the result is the same either way). Reference: quant.fp8_gemm."""
     M, K = a.shape
     N = b.shape[0]
     assert b.shape[1] == K and K % 128 == 0, f"fp8_gemm: shapes {tuple(a.shape)} x {tuple(b.shape)}"
@@ -272,18 +237,11 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
                                    DECODE=decode, FNUZ=fnuz, num_warps=warps, num_stages=stages)
         return c
     p = torch.empty(nkb, M, N, dtype=torch.float32, device=a.device)
-    arrived = _arrived(a.device, tiles) if fold and 128 % bn == 0 else None    # (a tile within one scale block)
-    kbt = min(COMBINE_TILE[1], triton.next_power_of_2(nkb))
-    _fp8_gemm_partials_kernel[(tiles, split_k)](a, b, p, M, N, K, nkb, kb_per, sa, sb, c, p if arrived is None else arrived,
-                                                split_k,                   # (ARRIVED: unread without FOLD)
-                                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, DECODE=decode, FNUZ=fnuz,
-                                                FOLD=arrived is not None, KB_TILE=kbt if arrived is not None else 1,
-                                                num_warps=warps,
-                                                num_stages=stages)
-    if arrived is not None:
-        return c
-    bn = COMBINE_TILE[0]
-    _fp8_gemm_combine_kernel[(M, triton.cdiv(N, bn))](p, sa, sb, c, M, N, nkb, BLOCK_N=bn, KB_TILE=kbt, num_warps=1)
+    _fp8_gemm_partials_kernel[(tiles, split_k)](a, b, p, M, N, K, nkb, kb_per, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128,
+                                                DECODE=decode, FNUZ=fnuz, num_warps=warps, num_stages=stages)
+    bn, kbt = COMBINE_TILE
+    _fp8_gemm_combine_kernel[(M, triton.cdiv(N, bn))](p, sa, sb, c, M, N, nkb, BLOCK_N=bn,
+                                                      KB_TILE=min(kbt, triton.next_power_of_2(nkb)), num_warps=1)
     return c
 
 

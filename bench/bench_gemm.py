@@ -5,8 +5,7 @@ timed replays of the call captured in a CUDA graph, as a captured decode step ru
 without Python's launch cost; L2 flushed between runs), TFLOP/s and TB/s, the ratio to the roofline
 measured in the same run (FP8 matmul peak via torch._scaled_mm, device copy bandwidth), and the ratio
 to torch.matmul in bf16 on the same shape (the named baseline). act_quant is reported in TB/s
-against the copy bandwidth. For M <= 16 also fp8_gemm(fold=True): a K split's partials added up by
-each tile's last program instead of a combine kernel (the same bits; "folded us").
+against the copy bandwidth.
 
     python bench/bench_gemm.py [--out DIR]        prints a table; writes DIR/gemm.json and DIR/gemm.md
 """
@@ -117,13 +116,11 @@ def floor_note(roof):  # the timing floor, for the tables' headers (stored runs 
 
 def render(meta, rows):  # raw timings -> the markdown table (derived figures computed here)
     roof = meta["roofline"]
-    folded = any("fold_ms" in r for r in rows)                  # (runs stored before fold have no such column)
     lines = [f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; measured roofline: "
              f"FP8 {roof['fp8_tflops']:.0f} TFLOP/s (torch._scaled_mm 8192^3), bf16 {roof['bf16_tflops']:.0f} TFLOP/s, "
              f"copy {roof['copy_gbs']:.0f} GB/s{floor_note(roof)}", "",
              "| shape | M | N x K | FP8 GEMM us | TFLOP/s | TB/s | of roofline | bf16 matmul us | speed-up vs bf16 "
-             "| act_quant us | act_quant TB/s |" + (" folded us |" if folded else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if folded else "")]
+             "| act_quant us | act_quant TB/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         M, N, K, t = r["M"], r["N"], r["K"], r["ms"]
         flops = 2 * M * N * K
@@ -132,8 +129,7 @@ def render(meta, rows):  # raw timings -> the markdown table (derived figures co
         aq_bytes = 2 * M * K + M * K + 4 * M * K // 128                            # bf16 in, fp8 + scales out
         lines.append(f"| {r['shape']} | {M} | {N}x{K} | {1e3 * t:.1f} | {flops / t / 1e9:.0f} | {nbytes / t / 1e9:.2f} | "
                      f"{t_roof / t:.2f} | {1e3 * r['bf16_ms']:.1f} | {r['bf16_ms'] / t:.2f} | "
-                     f"{1e3 * r['act_quant_ms']:.1f} | {aq_bytes / r['act_quant_ms'] / 1e9:.2f} |"
-                     + ((f" {1e3 * r['fold_ms']:.1f} |" if "fold_ms" in r else " - |") if folded else ""))
+                     f"{1e3 * r['act_quant_ms']:.1f} | {aq_bytes / r['act_quant_ms'] / 1e9:.2f} |")
     return lines
 
 
@@ -161,8 +157,6 @@ def main():
             tb = timed(lambda: x @ wb)
             ta = timed(lambda: kernels_fp8.act_quant(x))
             rows.append(dict(shape=name, M=M, N=N, K=K, ms=t, bf16_ms=tb, act_quant_ms=ta))
-            if M <= 16:                                  # the split's partials added up by its last programs
-                rows[-1]["fold_ms"] = timed(lambda: kernels_fp8.fp8_gemm(q, s, w, sw, fold=True))
     Path(a.out).mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d"), roofline=roof)
