@@ -1,3 +1,4 @@
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -31,6 +32,28 @@ def backends():  # (backend, device) pairs every op table test runs on: the GPU 
 
 
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA or ROCm GPU")
+
+# What the suite imports (requirements-test.txt). Without one of them the modules that need it skip, so
+# that the NumPy reference's tests run without torch; but in the environment setup.sh builds (.venv) and
+# under TESTS_NEED_ALL=1 (.ci/gpu) a package that does not import stops the run: a broken install must
+# not pass for a green suite with whole files skipped.
+NEEDED = ("numpy", "ml_dtypes", "tokenizers", "safetensors", "hypothesis", "torch", "triton", "transformers",
+          "jinja2", "matplotlib")
+
+
+def pytest_sessionstart(session):
+    in_venv = Path(sys.prefix).resolve() == (ROOT / ".venv").resolve()
+    if not (in_venv or os.environ.get("TESTS_NEED_ALL") == "1"):
+        return
+    missing = []
+    for name in NEEDED:
+        try:
+            importlib.import_module(name)
+        except Exception as e:                           # an import error of any kind: a missing dependency too
+            missing.append(f"{name} ({type(e).__name__}: {e})")
+    if missing:
+        raise pytest.UsageError("tests: cannot import " + "; ".join(missing)
+                                + " (./setup.sh --tests installs them all)")
 
 # Few examples per property so the whole suite stays within minutes on 2 cores; shapes and values
 # are drawn, not just seeds.
