@@ -88,11 +88,9 @@ def fp8_linear(q, s, W, *, kern=None):  # act_quant's [M, K] codes and scales ti
         y = kern.fp4_gemm(q, s, W.w, W.scale, fnuz=q.dtype == torch.float8_e4m3fnuz) if kern is not None \
             else quant_torch.fp4_gemm(q, s, W.w, W.scale)
         return bf16_round(y, kern=kern)
-    if kern is not None:
-        y = kern.fp8_gemm(q, s, W.w, W.scale)                            # bf16 out, as the official kernel
-    else:
-        y = fp8_gemm_torch(q, s, W.w, W.scale)
-    return bf16_round(y, kern=kern)
+    if kern is not None:                                                # bf16 values, as the official kernel's bf16 out
+        return kern.fp8_gemm(q, s, W.w, W.scale, out_dtype=torch.float32, bf16_values=True)
+    return bf16_round(fp8_gemm_torch(q, s, W.w, W.scale))
 
 
 def linears(x, Ws, official, *, kern=None):  # quant.linears_ref: one GEMM when fuse_rows made them one weight's rows
@@ -165,6 +163,14 @@ def rms_norm(x, w, eps, rnd, *, kern=None):  # attention.rms_norm_ref
         return kern.rms_norm(x, w, eps, official)                       # one launch instead of seven
     x = x.float()
     return rnd(w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)))
+
+
+def add_norm(x, residual, w, eps, rnd, *, kern=None):  # model.Transformer._norm's steps: s = x + residual
+    official = _norm_kernel(x, w, rnd, kern)
+    if official is None or w is None or residual.dtype != torch.float32 or residual.shape != x.shape:
+        s = x + residual
+        return rms_norm(s, w, eps, rnd, kern=kern), rnd(s)
+    return kern.add_rms_norm(x, residual, w, eps, official)                 # one launch instead of three
 
 
 def _norm_kernel(x, w, rnd, kern):
@@ -347,6 +353,8 @@ def latent_cache(B, cap, a, official, *, device):  # -> [B, cap, W] uint8 rows (
 
 
 def store_latent(buf, start_pos, c_kv, k_pe, B, T, *, kern=None):  # c^KV [B, T, C], k^R [B, T, R] -> rows at start_pos
+    if buf.dtype == torch.uint8 and kern is not None and kern.latent_stores():   # in one launch
+        return kern.store_latent(buf[:B], start_pos, c_kv, k_pe)
     if buf.dtype == torch.uint8:        # the official FP8 round trip's codes and scales: lossless
         flat = c_kv.reshape(B * T, -1)  # e4m3fn codes on every GPU (the format; kernels_rocm.latent_quant)
         q, sc = kern.latent_quant(flat) if kern is not None else quant_torch.act_quant(flat)
@@ -1050,7 +1058,7 @@ def torch_ops(device, kernels=True, dsa=None, v4=None):
         bf16_round=partial(bf16_round, **K), no_round=no_round,
         act_quant=partial(act_quant, **K), act_dequant=act_dequant, dequant=dequant,
         linear=partial(linear, **K), linears=partial(linears, **K),
-        rms_norm=partial(rms_norm, **K), layer_norm=layer_norm,
+        rms_norm=partial(rms_norm, **K), add_norm=partial(add_norm, **K) if kern else None, layer_norm=layer_norm,
         rope_interleaved=partial(rope_interleaved, **K), rope_half_split=partial(rope_half_split, **K),
         rotate_activation=rotate_activation, head_weights=head_weights, index_scores=index_scores,
         topk_select=topk_select, select=partial(select, dsa=dsa),

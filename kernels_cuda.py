@@ -8,6 +8,8 @@ Number formats and GEMMs, in kernels_fp8.py (its docstring has the details), re-
     moe_gemm    that GEMM for the routed experts, rows gathered    reference: quant.fp8_gemm per expert
     bf16_round  float32 -> the nearest bf16 values, one launch     reference: quant.bf16_round
     rms_norm    a row's RMSNorm (V3.2's and V4's), one launch     reference: attention.rms_norm_ref, compressor.rms_norm
+    add_rms_norm  the residual add, the norm and the sum's rounding in one launch
+                                                                  reference: model.Transformer._norm's steps
 
 The routed experts' bookkeeping, in kernels_moe.py, re-exported here (a decode step's MoE layer ran it as
 about forty small torch kernels):
@@ -32,6 +34,8 @@ DSA kernels (DeepSeek Sparse Attention; the model calls them on a GPU through ba
     topk_indices        eq. (2), exact causal top-k: per-segment lists above a sampled threshold, then
                         radix select on them (or on the row), held in registers where they fit
                                                                reference: indexer.topk_indices_ref
+    store_latent        the packed latent row (FP8 codes, scales, bf16 rope) into the cache in one launch
+                                                               reference: backend_torch.store_latent
     sparse_mla_decode   absorbed MLA over the selected latent rows (packed FP8 656-byte rows, or bf16 /
     sparse_mla_prefill  float32), online softmax; decode splits the selected set and combines the
                         splits by log-sum-exp, prefill writes each query directly
@@ -53,8 +57,8 @@ import triton.language as tl
 
 import quant
 # the number formats and GEMMs, re-exported: callers name them kernels_cuda.act_quant, .fp8_gemm, ...
-from kernels_fp8 import (FP8, FP8_MAX, MOE_BLOCK_M, RMS_NORM_MAX, act_quant, bf16_round, fp8_gemm,  # noqa: F401
-                         moe_gemm, rms_norm, sm_count)
+from kernels_fp8 import (FP8, FP8_MAX, MOE_BLOCK_M, RMS_NORM_MAX, act_quant, add_rms_norm, bf16_round,  # noqa: F401
+                         fp8_gemm, moe_gemm, rms_norm, sm_count)
 from kernels_fp8 import _bf16_round, _e4m3_decode, _interpreted, _ue8m0_quant   # the DSA kernels' helpers
 from kernels_moe import ROUTE_MAX, gate_topk, moe_combine, route  # noqa: F401  the routed experts' bookkeeping
 from kernels_v4 import (compress_keys, fp4_gemm, fp4_moe_gemm, hc_mix_pre, hc_post, index_scores_v4,  # noqa: F401  V4
@@ -73,6 +77,10 @@ def fp8_dtype():  # what the indexer's FP8 key cache holds
 
 
 latent_quant = act_quant        # the packed latent rows' e4m3fn codes and scales (spec/kernels.md §3.4)
+
+
+def latent_stores():  # store_latent runs here (it stores e4m3fn codes)
+    return True
 
 
 def fp8_stores():  # Triton stores FP8 here (index_prep runs)
@@ -721,6 +729,43 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
 # C = 512, R = 64) or C + R plain values (bf16, or float32 for exact numerics).
 
 latent_width = quant.latent_width                                      # bytes of one packed FP8 row
+
+
+@triton.jit
+def _store_latent_kernel(CKV, KPE, ROWS, POS, T, CAP, C: tl.constexpr, R: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Reference: backend_torch.store_latent's steps (act_quant of c^KV, k^R to bf16, the row packed and
+    stored). One program per token m = b T + t: its packed row goes to ROWS [>=B, CAP, W] at slot
+    POS + t of batch b; slots past CAP are not written."""
+    m = tl.program_id(0)
+    slot = tl.load(POS).to(tl.int32) + m % T
+    row = ROWS + ((m // T).to(tl.int64) * CAP + slot) * (C + 4 * (C // 128) + 2 * R)
+    rc, rg, rr = tl.arange(0, C), tl.arange(0, C // 128), tl.arange(0, R)
+    x = tl.reshape(tl.load(CKV + m.to(tl.int64) * C + rc), (C // 128, 128))
+    y, s = _ue8m0_quant(x, FP8_MAX)                                    # act_quant's codes and scales
+    codes = tl.reshape(y, (C,)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(row + rc, codes, mask=slot + rc * 0 < CAP)   # (masks as tensors: the interpreter's rule)
+    tl.store((row + C).to(tl.pointer_type(tl.float32)) + rg, s, mask=slot + rg * 0 < CAP)
+    pe = _bf16_round(tl.load(KPE + m.to(tl.int64) * R + rr))          # k^R to bf16: the top half of its bits
+    tl.store((row + C + 4 * (C // 128)).to(tl.pointer_type(tl.int16)) + rr,
+             (pe.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=slot + rr * 0 < CAP)
+
+
+def store_latent(rows, start_pos, c_kv, k_pe):
+    """c^KV [B, T, C], k^R [B, T, R] (float32) -> their packed rows (C e4m3fn codes, C/128 ue8m0 scales,
+    R bf16: spec/kernels.md §3.4) written into rows [>=B, CAP, W] uint8 at slots start_pos + t (an int,
+    or a 0-d device tensor: captured decode), in one launch. Reference: backend_torch.store_latent."""
+    B, T, C = c_kv.shape
+    R = k_pe.shape[-1]
+    if k_pe.shape != (B, T, R) or rows.dtype != torch.uint8 or rows.dim() != 3 or rows.shape[0] < B \
+            or rows.shape[2] != latent_width(C, R) or C % 128 or C & (C - 1) or R & (R - 1):
+        raise ValueError(f"store_latent: c_kv {tuple(c_kv.shape)}, k_pe {tuple(k_pe.shape)}, rows {tuple(rows.shape)} "
+                         f"{rows.dtype} do not fit (C a power of two and a multiple of 128, R a power of two)")
+    if not isinstance(start_pos, torch.Tensor) and not 0 <= start_pos <= rows.shape[1] - T:
+        raise ValueError(f"store_latent: slots {start_pos}..{start_pos + T - 1} outside the cache's {rows.shape[1]}")
+    assert rows.is_contiguous()
+    if B * T:
+        _store_latent_kernel[(B * T,)](c_kv.float().contiguous(), k_pe.float().contiguous(), rows,
+                                       _pos_tensor(start_pos, rows.device), T, rows.shape[1], C=C, R=R, FP8_MAX=FP8_MAX)
 
 
 @triton.jit

@@ -14,6 +14,8 @@ _bf16_round from here.
                                                                   reference: quant.bf16_round
     rms_norm    a row's RMSNorm, weighted, bf16-rounded in official numerics, one launch instead of a
                 chain of torch kernels       reference: attention.rms_norm_ref (V3.2), compressor.rms_norm (V4)
+    add_rms_norm  the residual add before it, in the same launch, the sum rounded out as well
+                                             reference: model.Transformer._norm's steps
 
 Every kernel is shared with kernels_rocm.py: what differs by architecture (the FP8 flavour and its
 maximum, whether FP8 is decoded by hand, tile sizes) arrives as constexpr arguments and wrapper data.
@@ -127,9 +129,9 @@ def _block_partial(A, B, rm, rn, kb, M, N, K, BLOCK_K: tl.constexpr, DECODE: tl.
 @triton.jit
 def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     DECODE: tl.constexpr, FNUZ: tl.constexpr):
+                     DECODE: tl.constexpr, FNUZ: tl.constexpr, ROUND: tl.constexpr):
     """Reference: quant.fp8_gemm. A [M, K] fp8 (row-major), B [N, K] fp8 (K contiguous, as stored),
-    SA [M, NUM_KB], SB [ceil(N/128), NUM_KB] float32, C [M, N]."""
+    SA [M, NUM_KB], SB [ceil(N/128), NUM_KB] float32, C [M, N] (ROUND: rounded to bf16 values, C float32)."""
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * n_n)                                     # grouped order: reuse B tiles in L2
@@ -145,6 +147,8 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
         sa = tl.load(SA + rm * NUM_KB + kb, mask=rm < M, other=0.0)
         sb = tl.load(SB + (rn // 128) * NUM_KB + kb, mask=rn < N, other=0.0)
         acc += partial * (sa[:, None] * sb[None, :])                   # "2xAcc" promotion in fp32
+    if ROUND:
+        acc = _bf16_round(acc)
     tl.store(C + rm[:, None] * N + rn[None, :], acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -168,7 +172,8 @@ def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER,
 
 
 @triton.jit
-def _fp8_gemm_combine_kernel(P, SA, SB, C, M, N, NUM_KB, BLOCK_N: tl.constexpr, KB_TILE: tl.constexpr):
+def _fp8_gemm_combine_kernel(P, SA, SB, C, M, N, NUM_KB, BLOCK_N: tl.constexpr, KB_TILE: tl.constexpr,
+                             ROUND: tl.constexpr):
     """C [M, N] = sum over kb in order of P[kb] * (sa[m, kb] sb[n // 128, kb]), the fp32 operations of
     _fp8_gemm_kernel's loop. One warp per (row, BLOCK_N columns within one weight scale block); the
     KB_TILE blocks' partials of a step are KB_TILE independent loads, issued together (one trip to L2
@@ -186,6 +191,8 @@ def _fp8_gemm_combine_kernel(P, SA, SB, C, M, N, NUM_KB, BLOCK_N: tl.constexpr, 
             p = tl.load(P + ((kb0 + j) * M + m).to(tl.int64) * N + rn, mask=ok & (rn * 0 + kb0 + j < NUM_KB), other=0.0)
             s = tl.load(SA + m * NUM_KB + kb0 + j, mask=live, other=0.0) * tl.load(sb + kb0 + j, mask=live, other=0.0)
             acc += p * s
+    if ROUND:
+        acc = _bf16_round(acc)
     tl.store(C + m.to(tl.int64) * N + rn, acc.to(C.dtype.element_ty), mask=ok)
 
 
@@ -208,17 +215,21 @@ def gemm_config(M, configs=GEMM_CONFIGS):
             return bm, bn, warps, stages
 
 
-def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decode=False, fnuz=False, split_k=None):
+def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decode=False, fnuz=False, split_k=None,
+             bf16_values=False):
     """a [M, K] fp8, sa [M, K/128] f32, b [N, K] fp8, sb [ceil(N/128), ceil(K/128)] f32 -> [M, N] out_dtype.
     split_k: how many programs share one output tile's K blocks (None: enough to fill the GPU when the
     output has fewer tiles than it has multiprocessors, K is long and the fp32 partials, nkb x M x N,
-    are small: decode; the result is the same either way). Reference: quant.fp8_gemm."""
+    are small: decode; the result is the same either way). bf16_values: float32 out holding the bf16
+    rounding (what the bf16 output widened gives, without the copy). Reference: quant.fp8_gemm."""
     M, K = a.shape
     N = b.shape[0]
     assert b.shape[1] == K and K % 128 == 0, f"fp8_gemm: shapes {tuple(a.shape)} x {tuple(b.shape)}"
     assert sa.shape == (M, K // 128) and sb.shape == (-(-N // 128), K // 128), "fp8_gemm: scale shapes"
     assert a.is_contiguous() and b.is_contiguous() and sa.is_contiguous() and sb.is_contiguous()
     assert sa.dtype == torch.float32 and sb.dtype == torch.float32
+    if bf16_values and out_dtype != torch.float32:
+        raise ValueError(f"fp8_gemm: bf16_values writes float32, not {out_dtype}")
     c = torch.empty(M, N, dtype=out_dtype, device=a.device)
     bm, bn, warps, stages = gemm_config(M, configs)
     if decode:
@@ -234,14 +245,15 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
     split_k = triton.cdiv(nkb, kb_per)
     if split_k == 1:
         _fp8_gemm_kernel[(tiles,)](a, b, c, sa, sb, M, N, K, nkb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8,
-                                   DECODE=decode, FNUZ=fnuz, num_warps=warps, num_stages=stages)
+                                   DECODE=decode, FNUZ=fnuz, ROUND=bf16_values, num_warps=warps, num_stages=stages)
         return c
     p = torch.empty(nkb, M, N, dtype=torch.float32, device=a.device)
     _fp8_gemm_partials_kernel[(tiles, split_k)](a, b, p, M, N, K, nkb, kb_per, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128,
                                                 DECODE=decode, FNUZ=fnuz, num_warps=warps, num_stages=stages)
     bn, kbt = COMBINE_TILE
     _fp8_gemm_combine_kernel[(M, triton.cdiv(N, bn))](p, sa, sb, c, M, N, nkb, BLOCK_N=bn,
-                                                      KB_TILE=min(kbt, triton.next_power_of_2(nkb)), num_warps=1)
+                                                      KB_TILE=min(kbt, triton.next_power_of_2(nkb)), ROUND=bf16_values,
+                                                      num_warps=1)
     return c
 
 
@@ -342,10 +354,13 @@ def bf16_round(x):  # float32 tensor -> the nearest bf16 values, as float32 (qua
 
 @triton.jit
 def _rms_norm_kernel(X, W, Y, D, eps, HAS_W: tl.constexpr, RECIP: tl.constexpr, ROUND: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, RES=None, SUM=None, ADD: tl.constexpr = False):
     d = tl.arange(0, BLOCK)
     at = tl.program_id(0).to(tl.int64) * D + d
     x = tl.load(X + at, mask=d < D, other=0.0)
+    if ADD:                                                            # the residual stream: s = x + r, rounded out
+        x += tl.load(RES + at, mask=d < D, other=0.0)
+        tl.store(SUM + at, _bf16_round(x) if ROUND else x, mask=d < D)
     rms = tl.sqrt_rn(tl.div_rn(tl.sum(x * x, 0), D * 1.0) + eps)                      # sqrt(mean(x²) + eps)
     y = x * tl.div_rn(1.0, rms) if RECIP else tl.div_rn(x, rms)
     if HAS_W:
@@ -375,3 +390,24 @@ def rms_norm(x, w, eps, official, recip=False):  # [..., D] float32, [D] or None
                                             HAS_W=w is not None, RECIP=bool(recip), ROUND=bool(official), BLOCK=BLOCK,
                                             num_warps=max(1, min(8, BLOCK // 1024)))
     return y
+
+
+def add_rms_norm(x, residual, w, eps, official):  # [..., D] float32 twice, [D] -> (rms_norm of s, s rounded), s = x + r
+    """A pre-norm block's entry in one launch (model._norm): s = x + residual in fp32, then rms_norm(s)
+    as above, and s itself rounded to bf16 in official numerics (the next residual). Three launches
+    otherwise: the add, the norm, the rounding."""
+    if residual.dtype != torch.float32 or residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: a float32 residual of x's shape {tuple(x.shape)} expected, got "
+                         f"{residual.dtype} {tuple(residual.shape)}")
+    D = x.shape[-1] if x.dim() else 0
+    if x.dtype != torch.float32 or not 0 < D <= RMS_NORM_MAX or w is None or w.shape != (D,):
+        raise ValueError(f"add_rms_norm: float32 rows of 1 to {RMS_NORM_MAX} and a weight of their width expected, got "
+                         f"{x.dtype} {tuple(x.shape)}, weight {None if w is None else tuple(w.shape)}")
+    x, residual = x.contiguous(), residual.contiguous()
+    y, s = torch.empty_like(x), torch.empty_like(x)
+    if x.numel():
+        BLOCK = triton.next_power_of_2(D)
+        _rms_norm_kernel[(x.numel() // D,)](x, w.contiguous(), y, D, float(eps), HAS_W=True, RECIP=False,
+                                            ROUND=bool(official), BLOCK=BLOCK, RES=residual, SUM=s, ADD=True,
+                                            num_warps=max(1, min(8, BLOCK // 1024)))
+    return y, s

@@ -69,13 +69,14 @@ def act_quant(x, arch=None):
     return _k.act_quant(x, fp8=a["fp8"], fp8_max=a["fp8_max"])
 
 
-def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, arch=None):
+def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, bf16_values=False, arch=None):
     cfg = ARCHS[arch or current_arch()]
     return _k.fp8_gemm(a, sa, b, sb, out_dtype=out_dtype, configs=ROCM_GEMM_CONFIGS, decode=cfg["decode"],
-                       fnuz=cfg["fnuz"])
+                       fnuz=cfg["fnuz"], bf16_values=bf16_values)
 
 
 rope, bf16_round, rms_norm, RMS_NORM_MAX = _k.rope, _k.bf16_round, _k.rms_norm, _k.RMS_NORM_MAX   # fp32: all the same
+add_rms_norm = _k.add_rms_norm
 gate_topk, route, moe_combine, ROUTE_MAX = _k.gate_topk, _k.route, _k.moe_combine, _k.ROUTE_MAX      # integers and fp32
 
 
@@ -117,6 +118,14 @@ def latent_quant(x, arch=None):  # the packed latent rows hold e4m3fn codes (the
     if a["fnuz"] or a["decode"]:
         return quant_torch.act_quant(x)                             # no FP8 stores in Triton here
     return _k.act_quant(x)
+
+
+def latent_stores(arch=None):  # store_latent runs here: Triton stores e4m3fn (gfx950), not on gfx942 / gfx90a
+    a = ARCHS[arch or current_arch()]
+    return not (a["fnuz"] or a["decode"])
+
+
+store_latent = _k.store_latent                  # (where latent_stores() holds: the same e4m3fn codes)
 
 
 def fp8_stores(arch=None):  # can Triton store FP8 here (gfx90a: no; the model then runs index_prep's steps unfused)

@@ -407,5 +407,7 @@ class Transformer:
     def _norm(self, x, residual, w):  # fused residual add (official): norm of the fp32 sum, residual rounded
         ops = self.opts.ops
         rnd = ops.bf16_round if self.opts.official else ops.no_round
+        if residual is not None and ops.add_norm is not None:              # the GPU: the steps below in one launch
+            return ops.add_norm(x, residual, w, self.args.rms_norm_eps, rnd)
         s = x if residual is None else x + residual                       # fp32 sum of two bf16 tensors
         return ops.rms_norm(s, w, self.args.rms_norm_eps, rnd), rnd(s)

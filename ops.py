@@ -99,6 +99,8 @@ class Ops:
     #                                        weight, for linears' one GEMM (at load)
     experts: Callable | None = None        # the routed experts' weights -> the backend's stacked layout
     #                                        (None: a list of per-expert Weights, as moe.moe_ref reads)
+    add_norm: Callable | None = None       # x, residual [..., n], w [n], eps, rnd -> (rms_norm(s), rnd(s)) with
+    #                                        s = x + residual: a block's entry      model.Transformer._norm
     index_prep: Callable | None = None     # x, q [B, T, J, D], k [B, T, D], weights, cache, start_pos, cos,
     #                                        sin -> q codes, w [B, T, J]; keys to the cache   indexer.index_prep_ref
     # the DSA kernels' path: selections as [B, T, K] positions, the latent cache as packed rows; all

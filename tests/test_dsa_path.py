@@ -3,6 +3,7 @@ masks, the packed latent cache, absorbed attention for prefill chunks too), agai
 reference: end to end in exact numerics, op by op in official numerics. On the CPU the kernels run
 in the Triton interpreter (conftest.py); on a GPU for real."""
 import dataclasses
+from functools import partial
 
 import numpy as np
 import pytest
@@ -32,9 +33,13 @@ def ckpt(tmp_path_factory):
 
 
 def fused_ops():
-    # on a GPU the default table already uses the kernels; on the CPU only the DSA ops are swapped to
-    # the interpreted kernels (the GEMMs stay plain torch: the interpreter's FP8 casts are defective)
-    return backend_torch.torch_ops(DEV) if HAS_CUDA else backend_torch.torch_ops(DEV, kernels=False, dsa=kernels_cuda)
+    # on a GPU the default table already uses the kernels; on the CPU only the DSA ops and the blocks' add and
+    # norm are swapped to the interpreted kernels (the GEMMs stay plain torch: the interpreter's FP8 casts are
+    # defective)
+    if HAS_CUDA:
+        return backend_torch.torch_ops(DEV)
+    ops = backend_torch.torch_ops(DEV, kernels=False, dsa=kernels_cuda)
+    return dataclasses.replace(ops, add_norm=partial(backend_torch.add_norm, kern=kernels_cuda))
 
 
 def fused_model(ckpt, ops=None, **kw):

@@ -5,6 +5,7 @@ factor of two off, exactly): there, and only there, codes may differ by exactly 
 from functools import partial
 from types import SimpleNamespace
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -73,6 +74,14 @@ def test_fp8_gemm_kernel(M, N, K, seed):
     bf = kernels_cuda.fp8_gemm(*args).float().cpu().numpy()                  # the bf16 output of the official kernel
     if not INTERPRETED:                                                     # (the interpreter's bf16 cast truncates)
         assert np.abs(bf - quant.bf16_round(got)).max() <= 2.0 ** -7 * np.abs(ref).max()
+    # bf16 values in float32 (what the model's linears take): rounded from the bits of the float32 result,
+    # so ml_dtypes' rounding of it everywhere, and on a GPU the bits of the bf16 output widened
+    bv = kernels_cuda.fp8_gemm(*args, out_dtype=torch.float32, bf16_values=True).cpu().numpy()
+    np.testing.assert_array_equal(bv.view(np.uint32), got.astype(ml_dtypes.bfloat16).astype(np.float32).view(np.uint32))
+    if not INTERPRETED:
+        np.testing.assert_array_equal(bv.view(np.uint32), bf.view(np.uint32))
+    with pytest.raises(ValueError, match="bf16_values writes float32"):
+        kernels_cuda.fp8_gemm(*args, bf16_values=True)
 
 
 @settings(max_examples=8)
@@ -82,6 +91,8 @@ def test_fp8_gemm_split_k(M, N, kblocks, split_k, decode, seed):
     """K split over programs (decode's few output tiles): the same fp32 operations in the same order as
     the unsplit kernel, so the same bits, on a GPU as in the interpreter, with rows in one tile or in
     two or three (of the 16-, 32- and 64-row tiles); and the oracle's values."""
+    if M > 20:                                  # the interpreter's combine takes a program per row: kept short
+        N, kblocks = min(N, 64), min(kblocks, 5)
     rng = np.random.default_rng(seed)
     K = 128 * kblocks
     a, sa = quant.act_quant((rng.standard_normal((M, K)) * 4).astype(np.float32))
@@ -90,6 +101,9 @@ def test_fp8_gemm_split_k(M, N, kblocks, split_k, decode, seed):
     one = kernels_cuda.fp8_gemm(*args, out_dtype=torch.float32, decode=decode, split_k=1).cpu().numpy()
     got = kernels_cuda.fp8_gemm(*args, out_dtype=torch.float32, decode=decode, split_k=split_k).cpu().numpy()
     np.testing.assert_array_equal(got.view(np.uint32), one.view(np.uint32))
+    bv = kernels_cuda.fp8_gemm(*args, out_dtype=torch.float32, decode=decode, split_k=split_k, bf16_values=True)
+    np.testing.assert_array_equal(bv.cpu().numpy().view(np.uint32),            # rounded in the combine, from the bits
+                                  one.astype(ml_dtypes.bfloat16).astype(np.float32).view(np.uint32))
     with pytest.raises(ValueError, match="split_k = 0"):
         kernels_cuda.fp8_gemm(*args, split_k=0)
     ref = quant.fp8_gemm(a, sa, b, sb)
@@ -659,6 +673,39 @@ def test_index_prep_kernel(B, T, J, dims, start_pos, e, seed):
     assert not ks.cpu()[~written].any() and not k8.cpu().view(torch.uint8)[~written].any()
 
 
+@settings(max_examples=8, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 5), st.sampled_from([(128, 16), (256, 64), (512, 64)]), st.integers(0, 4),
+       st.integers(-10, 10), st.booleans(), st.integers(0, 2 ** 31))
+def test_store_latent_kernel(B, T, dims, start_pos, e, device_pos, seed):
+    """The packed latent row (spec/kernels.md §3.4) written in one launch against the reference's own
+    packing: act_quant's codes (ml_dtypes' e4m3fn) and ue8m0 scales, k^R rounded to bf16 by ml_dtypes,
+    at slots start_pos + t of each batch and nowhere else; a start that does not fit is refused."""
+    C, R = dims
+    rng = np.random.default_rng(seed)
+    c_kv = (rng.standard_normal((B, T, C)) * 2.0 ** e * np.exp2(rng.integers(-4, 4, (B, T, C // 128)).repeat(128, -1)))
+    c_kv = c_kv.astype(np.float32)
+    k_pe = rng.standard_normal((B, T, R)).astype(np.float32)                  # not bf16 values: rounded on the way
+    cap = start_pos + T + 2
+    rows = torch.zeros(B + 1, cap, quant.latent_width(C, R), dtype=torch.uint8, device=DEV)
+    P = lambda a: torch.from_numpy(a).to(DEV)                                   # noqa: E731
+    with pytest.raises(ValueError, match="outside the cache"):
+        kernels_cuda.store_latent(rows, cap - T + 1, P(c_kv), P(k_pe))
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels_cuda.store_latent(rows, start_pos, P(c_kv), P(k_pe[..., :-1]))
+    assert not rows.any()                                                       # nothing written
+    kernels_cuda.store_latent(rows, torch.tensor(start_pos, device=DEV) if device_pos else start_pos, P(c_kv), P(k_pe))
+    got = rows.cpu().numpy()
+    new = got[:B, start_pos:start_pos + T]
+    codes, scales = quant.act_quant(c_kv)
+    assert_codes(torch.from_numpy(new[..., :C].copy()).view(torch.float8_e4m3fn), codes, "store_latent codes")
+    np.testing.assert_array_equal(new[..., C:C + 4 * (C // 128)].copy().view(np.float32), scales)
+    np.testing.assert_array_equal(new[..., C + 4 * (C // 128):].copy().view(ml_dtypes.bfloat16),
+                                  k_pe.astype(ml_dtypes.bfloat16))
+    written = np.zeros(got.shape[:2], bool)
+    written[:B, start_pos:start_pos + T] = True
+    assert not got[~written].any()
+
+
 @settings(max_examples=12, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 700), st.sampled_from(["v3.2", "v4", "v4 unweighted"]), st.booleans(),
        st.floats(-14, 8), st.integers(0, 2 ** 31))
@@ -683,6 +730,17 @@ def test_rms_norm_kernel(M, D, form, official, log_scale, seed):
         assert_bf16_close(got, want, ulps=1, what="rms_norm")
     else:
         assert np.all(np.abs(got - want) <= (D + 4) * 2.0 ** -24 * np.abs(want))
+    if form == "v3.2":  # with the residual add before it in the same launch (model._norm): the fp32 sum rounded
+        # out (NumPy's float32 add, ml_dtypes' rounding) and its norm, the bits of rms_norm's over that sum
+        r = quant.bf16_round((rng.standard_normal((M, D)) * 2.0 ** log_scale).astype(np.float32))
+        s_want = x + r
+        P = lambda a: torch.from_numpy(a).to(DEV)                               # noqa: E731
+        y, s = kernels_cuda.add_rms_norm(P(x), P(r), P(w), 1e-6, official)
+        np.testing.assert_array_equal(s.cpu().numpy(), s_want.astype(ml_dtypes.bfloat16).astype(np.float32)
+                                      if official else s_want)
+        np.testing.assert_array_equal(y.cpu().numpy(), kernels_cuda.rms_norm(P(s_want), P(w), 1e-6, official).cpu().numpy())
+        with pytest.raises(ValueError, match="residual"):
+            kernels_cuda.add_rms_norm(P(x), P(r[:, :-1]) if D > 1 else P(r[:0]), P(w), 1e-6, official)
     with pytest.raises(ValueError, match="rms_norm"):
         kernels_cuda.rms_norm(torch.from_numpy(x).to(DEV), torch.ones(D + 1, device=DEV), 1e-6, official)
     with pytest.raises(ValueError, match="rms_norm"):
@@ -697,6 +755,7 @@ def test_the_torch_path_norms_take_the_kernel():
     import backend_torch as bt
     calls = []
     kern = SimpleNamespace(rms_norm=lambda *a, **k: calls.append(k) or kernels_cuda.rms_norm(*a, **k),
+                           add_rms_norm=lambda *a: calls.append("add") or kernels_cuda.add_rms_norm(*a),
                            RMS_NORM_MAX=kernels_cuda.RMS_NORM_MAX)
     x = torch.from_numpy(quant.bf16_round(np.random.default_rng(0).standard_normal((3, 200)).astype(np.float32))).to(DEV)
     w = torch.from_numpy(quant.bf16_round((1 + 0.1 * np.random.default_rng(1).standard_normal(200)).astype(np.float32))).to(DEV)
@@ -710,6 +769,11 @@ def test_the_torch_path_norms_take_the_kernel():
             if taken:
                 assert calls[0].get("recip", False) == (norm is bt.v4_norm)
             assert np.all(np.abs(got - want) <= 2.0 ** -7 * np.abs(want) + 1e-30), (rnd, norm)
+        calls.clear()                                   # add_norm: model._norm's steps, in one launch where taken
+        (y, s), (y0, s0) = bt.add_norm(x, x.flip(0), w, 1e-6, rnd, kern=kern), bt.add_norm(x, x.flip(0), w, 1e-6, rnd)
+        assert calls == (["add"] if taken else []), rnd
+        np.testing.assert_array_equal(s.cpu().numpy(), s0.cpu().numpy())
+        assert np.all(np.abs((y - y0).cpu().numpy()) <= 2.0 ** -7 * np.abs(y0.cpu().numpy()) + 1e-30), rnd
     calls.clear()
     with pytest.raises(RuntimeError):                                              # torch's own error, not the kernel
         bt.rms_norm(x, w[:100], 1e-6, bt.bf16_round, kern=kern)
