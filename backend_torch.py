@@ -414,6 +414,8 @@ def mlp(x, p, official, *, kern=None):  # moe.mlp_ref: w2( silu(w1 x) * (w3 x) )
         a, b = fp8_linear(q, s, p["w1"]), fp8_linear(q, s, p["w3"])
         return linear(rnd(torch.nn.functional.silu(a) * b), p["w2"], official).reshape(*x.shape[:-1], -1)
     a, b = linears(x, [p["w1"], p["w3"]], official, kern=kern)       # one GEMM where derive_weights fused them
+    if kern is not None and official and a.dim() == 2 and p["w2"].scale is not None and p["w2"].w.dtype != torch.uint8:
+        return fp8_linear(*kern.swiglu_quant(a, b, official), p["w2"], kern=kern)   # the steps below, one launch
     return linear(rnd(torch.nn.functional.silu(a) * b), p["w2"], official, kern=kern)
 
 
@@ -488,12 +490,13 @@ def route(idx, E, bm, *, kern=None):
     return rows_tok, pair_at, block_expert
 
 
-def grouped(q, s, W, rows, block_expert, self_rows=False, *, kern=None):
+def grouped(q, s, W, rows, block_expert, self_rows=False, out_at=None, out_rows=None, *, kern=None):
     """-> [P, N] bf16 values (float32) of row p of q (self_rows: p itself; else rows[p]) times its block's
-    expert; padding rows (rows < 0) garbage."""
+    expert; padding rows (rows < 0) garbage. out_at [P]: row p goes to row out_at[p] of [out_rows, N]
+    instead (rows no pair lands on: garbage)."""
     if kern is not None:
         return kern.moe_gemm(q, s, W.w, W.scale, rows, block_expert, out_dtype=torch.float32, self_rows=self_rows,
-                             bf16_values=True)
+                             bf16_values=True, out_at=out_at, out_rows=out_rows)
     P, bm = rows.shape[0], rows.shape[0] // block_expert.shape[0]
     out = torch.zeros(P, W.w.shape[1], device=q.device)
     be = block_expert.repeat_interleave(bm)
@@ -501,7 +504,10 @@ def grouped(q, s, W, rows, block_expert, self_rows=False, *, kern=None):
         sel = torch.nonzero((rows >= 0) & (be == e)).squeeze(1)
         r = sel if self_rows else rows[sel].long()
         out[sel] = bf16_round(fp8_gemm_torch(q[r], s[r], W.w[e], W.scale[e]))
-    return out
+    if out_at is None:
+        return out
+    live = rows >= 0
+    return torch.zeros(out_rows, out.shape[1], device=q.device).index_copy_(0, out_at[live], out[live])
 
 
 def routed_grouped(x, p, idx, elsewhere=False, *, kern=None):
@@ -515,12 +521,13 @@ def routed_grouped(x, p, idx, elsewhere=False, *, kern=None):
     q, s = act_quant(x, kern=kern)
     g = grouped(q, s, p["w13"], rows_tok, block_expert, kern=kern)        # [P, 2I]: gate | up
     I = g.shape[1] // 2
-    h = bf16_round(torch.nn.functional.silu(g[:, :I]) * g[:, I:], kern=kern)
-    q2, s2 = act_quant(h, kern=kern)
-    o = grouped(q2, s2, p["w2"], rows_tok, block_expert, self_rows=True, kern=kern)   # [P, d]: row p of h
-    M, Kt = idx.shape
-    out = torch.zeros(M * Kt + 1, x.shape[1], device=x.device).index_copy_(0, pair_at, o)   # padding -> the trash row
-    return out[:M * Kt].view(M, Kt, -1)
+    if kern is not None:                                                 # the steps below in one launch
+        q2, s2 = kern.swiglu_quant(g[:, :I], g[:, I:], True)
+    else:
+        q2, s2 = act_quant(bf16_round(torch.nn.functional.silu(g[:, :I]) * g[:, I:]))
+    M, Kt = idx.shape                                                    # row p of h, written to its pair's place:
+    o = grouped(q2, s2, p["w2"], rows_tok, block_expert, self_rows=True, out_at=pair_at, out_rows=M * Kt, kern=kern)
+    return o.view(M, Kt, -1)
 
 
 def routed_loop(x, p, idx, official, e0=0, *, kern=None):

@@ -4,6 +4,7 @@ kernels_fp8.py and are re-exported; the elementwise RoPE and the DSA kernels fol
 
 Number formats and GEMMs, in kernels_fp8.py (its docstring has the details), re-exported here:
     act_quant   FP8 activations: 1x128 groups, ue8m0 scales        reference: quant.act_quant
+    swiglu_quant  silu(a) * b, rounded, then act_quant: one launch  reference: moe.mlp_ref's steps
     fp8_gemm    the block-scaled FP8 GEMM, K split for decode      reference: quant.fp8_gemm
     moe_gemm    that GEMM for the routed experts, rows gathered    reference: quant.fp8_gemm per expert
     bf16_round  float32 -> the nearest bf16 values, one launch     reference: quant.bf16_round
@@ -58,7 +59,7 @@ import triton.language as tl
 import quant
 # the number formats and GEMMs, re-exported: callers name them kernels_cuda.act_quant, .fp8_gemm, ...
 from kernels_fp8 import (FP8, FP8_MAX, MOE_BLOCK_M, RMS_NORM_MAX, act_quant, add_rms_norm, bf16_round,  # noqa: F401
-                         fp8_gemm, moe_gemm, rms_norm, sm_count)
+                         fp8_gemm, moe_gemm, rms_norm, sm_count, swiglu_quant)
 from kernels_fp8 import _bf16_round, _e4m3_decode, _interpreted, _ue8m0_quant   # the DSA kernels' helpers
 from kernels_moe import ROUTE_MAX, gate_topk, moe_combine, route  # noqa: F401  the routed experts' bookkeeping
 from kernels_v4 import (compress_keys, fp4_gemm, fp4_moe_gemm, hc_mix_pre, hc_post, index_scores_v4,  # noqa: F401  V4

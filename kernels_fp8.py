@@ -4,6 +4,8 @@ point, re-exports them beside the DSA kernels, which use the jit helpers _e4m3_d
 _bf16_round from here.
 
     act_quant   1x128 groups, ue8m0 scales, e4m3 codes            reference: quant.act_quant
+    swiglu_quant  a SwiGLU's silu(a) * b, its bf16 rounding and act_quant in one launch
+                                                                  reference: moe.mlp_ref's steps
     fp8_gemm    y = (a * sa) (b * sb)^T, 1x128 activation groups, 128x128 weight blocks, fp32
                 promotion of each 128-wide K block's partial sum; K split over programs for
                 decode's few output tiles, the same bits          reference: quant.fp8_gemm
@@ -91,6 +93,44 @@ def _act_quant_kernel(X, Q, S, M, N, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
     y, s = _ue8m0_quant(x, FP8_MAX)
     tl.store(Q + rows[:, None] * N + cols[None, :], y.to(Q.dtype.element_ty), mask=ok)
     tl.store(S + rows * (N // GROUP) + g, s, mask=rows < M)
+
+
+@triton.jit
+def _swiglu_quant_kernel(A, B, Q, S, M, I, stride_a, stride_b, BLOCK_M: tl.constexpr, ROUND: tl.constexpr,
+                         FP8_MAX: tl.constexpr):
+    """Reference: moe.mlp_ref's h = silu(a) * b in fp32 (silu(a) = a / (1 + exp(-a))), rounded to bf16
+    in official numerics, then quant.act_quant(h). A, B [M, I] rows strided, Q [M, I], S [M, I/128]."""
+    pid_m, g = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = g * 128 + tl.arange(0, 128)
+    ok = rows[:, None] < M
+    a = tl.load(A + rows[:, None].to(tl.int64) * stride_a + cols[None, :], mask=ok, other=0.0)
+    b = tl.load(B + rows[:, None].to(tl.int64) * stride_b + cols[None, :], mask=ok, other=0.0)
+    h = tl.div_rn(a, 1.0 + tl.exp(-a)) * b
+    if ROUND:
+        h = _bf16_round(h)
+    y, s = _ue8m0_quant(h, FP8_MAX)
+    tl.store(Q + rows[:, None].to(tl.int64) * I + cols[None, :], y.to(Q.dtype.element_ty), mask=ok)
+    tl.store(S + rows.to(tl.int64) * (I // 128) + g, s, mask=rows < M)
+
+
+def swiglu_quant(a, b, official, fp8=FP8, fp8_max=FP8_MAX):
+    """a, b [M, I] float32 (the gate's and the up projection's outputs; rows may be strided, as two
+    halves of one GEMM's output) -> act_quant(rnd(silu(a) * b)): q [M, I] fp8, s [M, I/128] float32, in
+    one launch where torch takes three before act_quant. The exp is Triton's, not torch's: within an
+    ulp or so of the reference before the rounding, not bit for bit. Reference: moe.mlp_ref's steps."""
+    if a.shape != b.shape or a.dim() != 2 or a.shape[1] % 128 or a.dtype != torch.float32 or b.dtype != torch.float32 \
+            or a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError(f"swiglu_quant: float32 [M, I] halves with I a multiple of 128 expected, got "
+                         f"{a.dtype} {tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
+    M, I = a.shape
+    q = torch.empty(M, I, dtype=fp8, device=a.device)
+    s = torch.empty(M, I // 128, dtype=torch.float32, device=a.device)
+    bm = 16 if M >= 16 else 1 << max(M - 1, 0).bit_length()
+    if M:
+        _swiglu_quant_kernel[(triton.cdiv(M, bm), I // 128)](a, b, q, s, M, I, a.stride(0), b.stride(0), BLOCK_M=bm,
+                                                            ROUND=bool(official), FP8_MAX=fp8_max)
+    return q, s
 
 
 def act_quant(x, fp8=FP8, fp8_max=FP8_MAX, block_m=None):
@@ -261,14 +301,16 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
 # Grouped block-FP8 GEMM for the routed experts: rows gathered by index, one expert per row block
 
 @triton.jit
-def _moe_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, N, K, NUM_KB,
+def _moe_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, OUT_AT, N, K, NUM_KB,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DECODE: tl.constexpr, FNUZ: tl.constexpr, SELF_ROWS: tl.constexpr, ROUND: tl.constexpr):
+                     DECODE: tl.constexpr, FNUZ: tl.constexpr, SELF_ROWS: tl.constexpr, ROUND: tl.constexpr,
+                     SCATTER: tl.constexpr):
     """Reference: quant.fp8_gemm on each row block's expert. A [*, K] fp8 with SA [*, NUM_KB];
     B [E, N, K] fp8 with SB [E, ceil(N/128), NUM_KB] (all experts stacked); ROWS [P] the A row of
     each output row (-1: padding; SELF_ROWS: A's row is the output row itself, ROWS only says which
     are live); BLOCK_EXPERT [P / BLOCK_M] the expert of each row block (-1: none).
-    C [P, N]: output row p = A[ROWS[p]] @ B[expert]^T (ROUND: rounded to bf16 values, C float32)."""
+    C [P, N]: output row p = A[ROWS[p]] @ B[expert]^T (ROUND: rounded to bf16 values, C float32);
+    SCATTER: written to C's row OUT_AT[p] instead."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e >= 0:                                                         # blocks past the routed rows: nothing
@@ -297,19 +339,22 @@ def _moe_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, N, K, NUM_KB,
             acc += partial * (sa[:, None] * sb[None, :])
         if ROUND:
             acc = _bf16_round(acc)
-        tl.store(C + p[:, None] * N + rn[None, :], acc.to(C.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
+        dst = tl.load(OUT_AT + p, mask=valid, other=0).to(tl.int64) if SCATTER else p.to(tl.int64)
+        tl.store(C + dst[:, None] * N + rn[None, :], acc.to(C.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
 
 MOE_BLOCK_M = 16
 
 
 def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, decode=False, fnuz=False, block_n=64,
-             self_rows=False, bf16_values=False):
+             self_rows=False, bf16_values=False, out_at=None, out_rows=None):
     """a [R, K] fp8, sa [R, K/128], b [E, N, K] fp8, sb [E, ceil(N/128), K/128], rows [P] int (P a multiple of
     MOE_BLOCK_M), block_expert [P / MOE_BLOCK_M] int -> [P, N]; padding rows are left unwritten.
     self_rows: output row p multiplies a's row p (rows < 0 still marks padding: the second GEMM of a
     SwiGLU, over the first one's rows). bf16_values: float32 out holding the bf16 rounding (what a bf16
-    output widened gives, without the copy). Reference: quant.fp8_gemm on each row block's expert."""
+    output widened gives, without the copy). out_at [P] int: live row p is written to row out_at[p] of an
+    [out_rows, N] output instead (the pairs' own order: no index_copy after), other rows left unwritten.
+    Reference: quant.fp8_gemm on each row block's expert."""
     R, K = a.shape
     E, N, _ = b.shape
     P = rows.shape[0]
@@ -317,13 +362,15 @@ def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, decode=
     assert a.is_contiguous() and b.is_contiguous() and sa.is_contiguous() and sb.is_contiguous()
     if bf16_values and out_dtype != torch.float32:
         raise ValueError(f"moe_gemm: bf16_values writes float32, not {out_dtype}")
-    c = torch.empty(P, N, dtype=out_dtype, device=a.device)
+    if (out_at is None) != (out_rows is None) or (out_at is not None and out_at.shape != (P,)):
+        raise ValueError("moe_gemm: out_at [P] and out_rows go together")
+    c = torch.empty(P if out_at is None else out_rows, N, dtype=out_dtype, device=a.device)
     if decode:
         a, b = a.view(torch.uint8), b.view(torch.uint8)
     grid = (P // MOE_BLOCK_M, triton.cdiv(N, block_n))
-    _moe_gemm_kernel[grid](a, sa, b, sb, c, rows, block_expert, N, K, K // 128, BLOCK_M=MOE_BLOCK_M, BLOCK_N=block_n,
-                           BLOCK_K=128, DECODE=decode, FNUZ=fnuz, SELF_ROWS=self_rows, ROUND=bf16_values, num_warps=4,
-                           num_stages=3)
+    _moe_gemm_kernel[grid](a, sa, b, sb, c, rows, block_expert, rows if out_at is None else out_at, N, K, K // 128,
+                           BLOCK_M=MOE_BLOCK_M, BLOCK_N=block_n, BLOCK_K=128, DECODE=decode, FNUZ=fnuz,
+                           SELF_ROWS=self_rows, ROUND=bf16_values, SCATTER=out_at is not None, num_warps=4, num_stages=3)
     return c
 
 

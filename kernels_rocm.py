@@ -69,6 +69,14 @@ def act_quant(x, arch=None):
     return _k.act_quant(x, fp8=a["fp8"], fp8_max=a["fp8_max"])
 
 
+def swiglu_quant(a, b, official, arch=None):
+    cfg = ARCHS[arch or current_arch()]
+    if cfg["decode"]:                                               # no FP8 stores in Triton here: torch's steps
+        h = torch.nn.functional.silu(a) * b
+        return quant_torch.act_quant(_k.bf16_round(h.contiguous()) if official else h)
+    return _k.swiglu_quant(a, b, official, fp8=cfg["fp8"], fp8_max=cfg["fp8_max"])
+
+
 def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, bf16_values=False, arch=None):
     cfg = ARCHS[arch or current_arch()]
     return _k.fp8_gemm(a, sa, b, sb, out_dtype=out_dtype, configs=ROCM_GEMM_CONFIGS, decode=cfg["decode"],
@@ -95,10 +103,11 @@ def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False, gemv=None, a
     return _v4.fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=fnuz, gemv=gemv, int8=_int8_route(route, arch))
 
 
-def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, self_rows=False, bf16_values=False, arch=None):
+def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, self_rows=False, bf16_values=False,
+             out_at=None, out_rows=None, arch=None):
     cfg = ARCHS[arch or current_arch()]
     return _k.moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=out_dtype, decode=cfg["decode"], fnuz=cfg["fnuz"],
-                       self_rows=self_rows, bf16_values=bf16_values)
+                       self_rows=self_rows, bf16_values=bf16_values, out_at=out_at, out_rows=out_rows)
 
 
 # -----------------------------------------------------------------------------
