@@ -736,25 +736,28 @@ latent_width = quant.latent_width                                      # bytes o
 def _store_latent_kernel(CKV, KPE, ROWS, POS, T, CAP, C: tl.constexpr, R: tl.constexpr, FP8_MAX: tl.constexpr):
     """Reference: backend_torch.store_latent's steps (act_quant of c^KV, k^R to bf16, the row packed and
     stored). One program per token m = b T + t: its packed row goes to ROWS [>=B, CAP, W] at slot
-    POS + t of batch b; slots past CAP are not written."""
+    POS + t of batch b; a slot outside [0, CAP) is not written (never another batch's row)."""
     m = tl.program_id(0)
     slot = tl.load(POS).to(tl.int32) + m % T
     row = ROWS + ((m // T).to(tl.int64) * CAP + slot) * (C + 4 * (C // 128) + 2 * R)
     rc, rg, rr = tl.arange(0, C), tl.arange(0, C // 128), tl.arange(0, R)
+    sc, sg, sr = rc * 0 + slot, rg * 0 + slot, rr * 0 + slot         # the slot as tensors (the interpreter's masks)
     x = tl.reshape(tl.load(CKV + m.to(tl.int64) * C + rc), (C // 128, 128))
     y, s = _ue8m0_quant(x, FP8_MAX)                                    # act_quant's codes and scales
     codes = tl.reshape(y, (C,)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    tl.store(row + rc, codes, mask=slot + rc * 0 < CAP)   # (masks as tensors: the interpreter's rule)
-    tl.store((row + C).to(tl.pointer_type(tl.float32)) + rg, s, mask=slot + rg * 0 < CAP)
+    tl.store(row + rc, codes, mask=(sc >= 0) & (sc < CAP))
+    tl.store((row + C).to(tl.pointer_type(tl.float32)) + rg, s, mask=(sg >= 0) & (sg < CAP))
     pe = _bf16_round(tl.load(KPE + m.to(tl.int64) * R + rr))          # k^R to bf16: the top half of its bits
     tl.store((row + C + 4 * (C // 128)).to(tl.pointer_type(tl.int16)) + rr,
-             (pe.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=slot + rr * 0 < CAP)
+             (pe.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=(sr >= 0) & (sr < CAP))
 
 
 def store_latent(rows, start_pos, c_kv, k_pe):
     """c^KV [B, T, C], k^R [B, T, R] (float32) -> their packed rows (C e4m3fn codes, C/128 ue8m0 scales,
     R bf16: spec/kernels.md §3.4) written into rows [>=B, CAP, W] uint8 at slots start_pos + t (an int,
-    or a 0-d device tensor: captured decode), in one launch. Reference: backend_torch.store_latent."""
+    or a 0-d device tensor: captured decode), in one launch. An int start that does not fit is refused; a
+    device one cannot be read without a sync, so its slots outside the cache are skipped (the model's
+    reserve keeps them inside). Reference: backend_torch.store_latent."""
     B, T, C = c_kv.shape
     R = k_pe.shape[-1]
     if k_pe.shape != (B, T, R) or rows.dtype != torch.uint8 or rows.dim() != 3 or rows.shape[0] < B \

@@ -117,8 +117,9 @@ def _swiglu_quant_kernel(A, B, Q, S, M, I, stride_a, stride_b, BLOCK_M: tl.const
 def swiglu_quant(a, b, official, fp8=FP8, fp8_max=FP8_MAX):
     """a, b [M, I] float32 (the gate's and the up projection's outputs; rows may be strided, as two
     halves of one GEMM's output) -> act_quant(rnd(silu(a) * b)): q [M, I] fp8, s [M, I/128] float32, in
-    one launch where torch takes three before act_quant. The exp is Triton's, not torch's: within an
-    ulp or so of the reference before the rounding, not bit for bit. Reference: moe.mlp_ref's steps."""
+    one launch where torch takes three before act_quant. The exp is Triton's (on NVIDIA from ex2.approx:
+    a few ulp, more for large |a|), not torch's expf: the product may differ from the reference's, or
+    from torch's silu on the same GPU, in its last bits before the rounding. Reference: moe.mlp_ref's steps."""
     if a.shape != b.shape or a.dim() != 2 or a.shape[1] % 128 or a.dtype != torch.float32 or b.dtype != torch.float32 \
             or a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError(f"swiglu_quant: float32 [M, I] halves with I a multiple of 128 expected, got "
@@ -158,10 +159,10 @@ def _block_partial(A, B, rm, rn, kb, M, N, K, BLOCK_K: tl.constexpr, DECODE: tl.
     a_ok = (rm[:, None] < M) & (k[None, :] < K)
     b_ok = (rn[None, :] < N) & (k[:, None] < K)
     if DECODE:                           # no FP8 hardware: decode bytes to fp16 (exact for every e4m3 value)
-        a = _e4m3_decode(tl.load(A + rm[:, None] * K + k[None, :], mask=a_ok, other=0), FNUZ).to(tl.float16)
+        a = _e4m3_decode(tl.load(A + rm[:, None].to(tl.int64) * K + k[None, :], mask=a_ok, other=0), FNUZ).to(tl.float16)
         b = _e4m3_decode(tl.load(B + rn[None, :] * K + k[:, None], mask=b_ok, other=0), FNUZ).to(tl.float16)
     else:
-        a = tl.load(A + rm[:, None] * K + k[None, :], mask=a_ok, other=0.0)
+        a = tl.load(A + rm[:, None].to(tl.int64) * K + k[None, :], mask=a_ok, other=0.0)   # (int64: a long prompt's rows)
         b = tl.load(B + rn[None, :] * K + k[:, None], mask=b_ok, other=0.0)          # [BLOCK_K, BLOCK_N]
     return tl.dot(a, b, out_dtype=tl.float32)
 
@@ -189,7 +190,8 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
         acc += partial * (sa[:, None] * sb[None, :])                   # "2xAcc" promotion in fp32
     if ROUND:
         acc = _bf16_round(acc)
-    tl.store(C + rm[:, None] * N + rn[None, :], acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(C + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(C.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 # Split K, for few output tiles (decode: small M, narrow weights): the blocks' partial products are
@@ -261,7 +263,8 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
     split_k: how many programs share one output tile's K blocks (None: enough to fill the GPU when the
     output has fewer tiles than it has multiprocessors, K is long and the fp32 partials, nkb x M x N,
     are small: decode; the result is the same either way). bf16_values: float32 out holding the bf16
-    rounding (what the bf16 output widened gives, without the copy). Reference: quant.fp8_gemm."""
+    rounding (what the bf16 output widened gives, without the copy; a NaN keeps its payload).
+    Reference: quant.fp8_gemm."""
     M, K = a.shape
     N = b.shape[0]
     assert b.shape[1] == K and K % 128 == 0, f"fp8_gemm: shapes {tuple(a.shape)} x {tuple(b.shape)}"
@@ -328,10 +331,11 @@ def _moe_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, OUT_AT, N, K, NUM_KB,
             a_ok = valid[:, None] & (k[None, :] < K)
             b_ok = (rn[None, :] < N) & (k[:, None] < K)
             if DECODE:
-                a = _e4m3_decode(tl.load(A + row[:, None] * K + k[None, :], mask=a_ok, other=0), FNUZ).to(tl.float16)
+                a = _e4m3_decode(tl.load(A + row[:, None].to(tl.int64) * K + k[None, :], mask=a_ok, other=0),
+                                 FNUZ).to(tl.float16)
                 b = _e4m3_decode(tl.load(b_base + rn[None, :] * K + k[:, None], mask=b_ok, other=0), FNUZ).to(tl.float16)
             else:
-                a = tl.load(A + row[:, None] * K + k[None, :], mask=a_ok, other=0.0)   # gathered token rows
+                a = tl.load(A + row[:, None].to(tl.int64) * K + k[None, :], mask=a_ok, other=0.0)   # gathered rows
                 b = tl.load(b_base + rn[None, :] * K + k[:, None], mask=b_ok, other=0.0)
             partial = tl.dot(a, b, out_dtype=tl.float32)
             sa = tl.load(SA + row * NUM_KB + kb, mask=valid, other=0.0)
