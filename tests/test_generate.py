@@ -9,7 +9,7 @@ import pytest
 
 import checkpoint
 import generate
-from conftest import FIXTURE_CKPT, ROOT
+from conftest import FIXTURE_CKPT, ROOT, gpu
 from model import Transformer
 
 
@@ -294,12 +294,15 @@ def test_ctrl_c_exits_130_without_traceback(tiny, where):
     assert p.returncode == 130 and "Traceback" not in rest and rest.strip().splitlines()[-1] == "interrupted", rest
 
 
-def test_verify_passes_on_the_tiny_checkpoint(tiny):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_verify_passes_on_the_tiny_checkpoint(tiny, device):
+    # on a GPU too: a golden recorded there must still match (a kernel change that moves the GPU's bits
+    # must re-record it: python generate.py --ckpt tiny-v32 --verify --device cuda --record-golden)
     import json
     import verify
-    r = run("--ckpt", tiny, "--verify", "--backend", "torch", "--device", "cpu")
+    r = run("--ckpt", tiny, "--verify", "--backend", "torch", "--device", device)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "1. torch on cpu against the NumPy reference" in r.stdout and "VERIFY PASS" in r.stdout
+    assert f"1. torch on {device} against the NumPy reference" in r.stdout and "VERIFY PASS" in r.stdout
     assert r.stdout.count(" | ") >= 8                                       # a row per layer
     here = r.stdout.split("recorded on this platform: ", 1)[1].splitlines()[0]   # as the CLI runs (1 torch thread)
     recorded = json.loads(verify.GOLDENS.read_text()).get(verify.fingerprint(tiny), {}).get(here, {})
