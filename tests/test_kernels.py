@@ -166,6 +166,30 @@ def test_fp8_gemm_split_k(M, N, kblocks, split_k, decode, seed):
                                   kernels_cuda.fp8_gemm(*args, decode=decode, split_k=1).view(torch.int16).cpu().numpy())
 
 
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from([(16, 64), (32, 128), (64, 256), (384, 128)]), st.integers(1, 3), st.booleans(),
+       st.integers(0, 2 ** 31))
+def test_fp8_gemm_whole_tiles_take_the_unmasked_loop_with_the_same_bits(MN, kblocks, more_rows, seed):
+    """A GEMM of whole tiles (every tile configuration: 16 x 64, 32 x 128, 128 x 128) runs the loop
+    without masks; one row or column more makes a ragged tile, which takes the masked loop: the shared
+    outputs are the same bits, and the oracle's values."""
+    M, N = MN
+    rng = np.random.default_rng(seed)
+    K = 128 * kblocks
+    mag = lambda *shape: np.exp2(rng.integers(-4, 5, shape)).repeat(128, -1)   # noqa: E731  scales apart by block
+    a, sa = quant.act_quant((rng.standard_normal((M + 1, K)) * mag(M + 1, kblocks)).astype(np.float32))
+    b, sb = quant.weight_quant((rng.standard_normal((N + 1, K)) * mag(1, kblocks)).astype(np.float32))
+    m, n = (M + 1, N) if more_rows else (M, N + 1)
+    gemm = lambda m, n: kernels_cuda.fp8_gemm(t8(a[:m]), torch.from_numpy(sa[:m]).to(DEV), t8(b[:n]),  # noqa: E731
+                                              torch.from_numpy(np.ascontiguousarray(sb[:-(-n // 128)])).to(DEV),
+                                              out_dtype=torch.float32).cpu().numpy()
+    whole, ragged = gemm(M, N), gemm(m, n)[:M, :N]
+    np.testing.assert_array_equal(whole.view(np.uint32), ragged.view(np.uint32))
+    ref = quant.fp8_gemm(a[:M], sa[:M], b[:N], sb[:-(-N // 128)])
+    tol = (2.0 ** -13 if not INTERPRETED else 2.0 ** -21) * kblocks * np.abs(ref).max()
+    assert np.abs(whole - ref).max() <= tol
+
+
 @settings(max_examples=5)
 @given(st.integers(1, 3), st.lists(st.integers(1, 2), min_size=2, max_size=3), st.integers(1, 128),
        st.integers(2, 5), st.booleans(), st.data())
