@@ -26,6 +26,15 @@ def t8(a, dtype=torch.float8_e4m3fn):  # ml_dtypes FP8 array -> torch FP8 tensor
     return torch.from_numpy(np.array(a.view(np.uint8))).view(dtype).to(DEV)
 
 
+def block_scaled(rng, rows, K, weight=False):  # standard normal values times 2^-4 .. 2^4 by scale block
+    """[rows, K] float32 whose 1x128 (activation) or 128x128 (weight) blocks differ in magnitude, so that
+    their ue8m0 scales differ: a kernel that pairs a block's partial with another block's scale fails."""
+    kb = -(-K // 128)
+    mag = np.exp2(rng.integers(-4, 5, (-(-rows // 128) if weight else rows, kb)).astype(np.float32))
+    mag = mag.repeat(128, 0)[:rows] if weight else mag
+    return (rng.standard_normal((rows, K)) * mag.repeat(128, 1)[:, :K]).astype(np.float32)
+
+
 def assert_codes(got, want, what, rate=0.1):
     """FP8 codes equal on a GPU. Under the interpreter, whose fp32->fp8 cast is defective (spec/kernels.md
     §4.3; seen here: a lost mantissa carry turns 2^k into 2^(k-1), ties go away from even, subnormals
@@ -114,8 +123,8 @@ def test_swiglu_quant_kernel(M, I, e, official, halves, seed):
 @given(st.integers(1, 40), st.integers(1, 160), st.sampled_from([128, 256, 384]), st.integers(0, 2 ** 31))
 def test_fp8_gemm_kernel(M, N, K, seed):
     rng = np.random.default_rng(seed)
-    a, sa = quant.act_quant((rng.standard_normal((M, K)) * 4).astype(np.float32))
-    b, sb = quant.weight_quant(rng.standard_normal((N, K)).astype(np.float32))
+    a, sa = quant.act_quant(block_scaled(rng, M, K))
+    b, sb = quant.weight_quant(block_scaled(rng, N, K, weight=True))
     ref = quant.fp8_gemm(a, sa, b, sb)                                       # exact partials, fp32 promotion
     args = (t8(a), torch.from_numpy(sa).to(DEV), t8(b), torch.from_numpy(sb).to(DEV))
     got = kernels_cuda.fp8_gemm(*args, out_dtype=torch.float32).cpu().numpy()
@@ -147,8 +156,8 @@ def test_fp8_gemm_split_k(M, N, kblocks, split_k, decode, seed):
         N, kblocks = min(N, 64), min(kblocks, 5)
     rng = np.random.default_rng(seed)
     K = 128 * kblocks
-    a, sa = quant.act_quant((rng.standard_normal((M, K)) * 4).astype(np.float32))
-    b, sb = quant.weight_quant(rng.standard_normal((N, K)).astype(np.float32))
+    a, sa = quant.act_quant(block_scaled(rng, M, K))
+    b, sb = quant.weight_quant(block_scaled(rng, N, K, weight=True))
     args = (t8(a), torch.from_numpy(sa).to(DEV), t8(b), torch.from_numpy(sb).to(DEV))
     one = kernels_cuda.fp8_gemm(*args, out_dtype=torch.float32, decode=decode, split_k=1).cpu().numpy()
     got = kernels_cuda.fp8_gemm(*args, out_dtype=torch.float32, decode=decode, split_k=split_k).cpu().numpy()
@@ -176,9 +185,8 @@ def test_fp8_gemm_whole_tiles_take_the_unmasked_loop_with_the_same_bits(MN, kblo
     M, N = MN
     rng = np.random.default_rng(seed)
     K = 128 * kblocks
-    mag = lambda *shape: np.exp2(rng.integers(-4, 5, shape)).repeat(128, -1)   # noqa: E731  scales apart by block
-    a, sa = quant.act_quant((rng.standard_normal((M + 1, K)) * mag(M + 1, kblocks)).astype(np.float32))
-    b, sb = quant.weight_quant((rng.standard_normal((N + 1, K)) * mag(1, kblocks)).astype(np.float32))
+    a, sa = quant.act_quant(block_scaled(rng, M + 1, K))
+    b, sb = quant.weight_quant(block_scaled(rng, N + 1, K, weight=True))
     m, n = (M + 1, N) if more_rows else (M, N + 1)
     gemm = lambda m, n: kernels_cuda.fp8_gemm(t8(a[:m]), torch.from_numpy(sa[:m]).to(DEV), t8(b[:n]),  # noqa: E731
                                               torch.from_numpy(np.ascontiguousarray(sb[:-(-n // 128)])).to(DEV),
