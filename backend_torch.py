@@ -222,8 +222,21 @@ def rotate_activation(x):  # indexer.rotate_activation_ref: [..., D] -> x H_D D^
     return ((x.double() @ _hadamard(D, x.device)) * D ** -0.5).float()
 
 
-def head_weights(x, weights_proj, q_scale, J, D):  # indexer.head_weights_ref
-    w = (x.float() @ dequant(weights_proj).T) * np.float32(J ** -0.5)
+def proj_f32(x, W, *, kern=None):  # x [..., K], W [N, K] (float32, or bf16 as stored) -> x W^T [..., N] float32
+    """The official code's fp32 projections (the router, the indexer's head weights, the output head).
+    With a kernel module: exact products and float64 sums, rounded once (kernels_fp8.matmul_f32: the
+    same bits for any row count), the bf16 weight read as stored; else torch's fp32 matmul."""
+    if kern is None:
+        return x.float() @ W.float().T
+    return kern.matmul_f32(x.reshape(-1, x.shape[-1]), W.T).reshape(*x.shape[:-1], W.shape[0])
+
+
+def fp32_weight(W, *, kern=None):  # a plain weight for proj_f32, made at load: float32; as stored for the kernel
+    return W if kern is not None else W.float()
+
+
+def head_weights(x, weights_proj, q_scale, J, D, *, kern=None):  # indexer.head_weights_ref
+    w = proj_f32(x, weights_proj.w, kern=kern) * np.float32(J ** -0.5)
     return w * q_scale * np.float32(D ** -0.5)
 
 
@@ -274,7 +287,7 @@ def selection_indices(sel, K):  # indexer.selection_indices_ref: [B, T, S] bool 
 
 def index_prep(x, q, k, p, cache, start_pos, cos, sin, *, dsa):  # indexer.index_prep_ref, in one kernel
     B, T, J = q.shape[:3]
-    xw = (x.float() @ dequant(p["weights_proj"]).T).reshape(B, T, J)   # fp32 weights (made at load); as head_weights
+    xw = proj_f32(x, p["weights_proj"].w, kern=dsa).reshape(B, T, J)    # as head_weights
     return dsa.index_prep(q, k, xw, cos, sin, p["k_norm"], p["k_norm_bias"], cache.k, cache.k_scale, start_pos)
 
 
@@ -420,7 +433,7 @@ def mlp(x, p, official, *, kern=None):  # moe.mlp_ref: w2( silu(w1 x) * (w3 x) )
 
 
 def gate(x, weight, bias, args, *, kern=None):  # moe.gate_ref: [M, d], [E, d], [E] or None -> w [M, K_r] f32, idx [M, K_r]
-    logits = x.float() @ weight.float().T
+    logits = proj_f32(x, weight, kern=kern)
     s = torch.sigmoid(logits) if args.scoring_func == "sigmoid" else torch.softmax(logits, -1)
     if kern is not None:                                                 # the choice and weights in one launch
         return kern.gate_topk(s, bias, args.num_experts_per_tok, args.n_group, args.topk_group, args.norm_topk_prob,
@@ -1067,7 +1080,7 @@ def torch_ops(device, kernels=True, dsa=None, v4=None):
         linear=partial(linear, **K), linears=partial(linears, **K),
         rms_norm=partial(rms_norm, **K), add_norm=partial(add_norm, **K) if kern else None, layer_norm=layer_norm,
         rope_interleaved=partial(rope_interleaved, **K), rope_half_split=partial(rope_half_split, **K),
-        rotate_activation=rotate_activation, head_weights=head_weights, index_scores=index_scores,
+        rotate_activation=rotate_activation, head_weights=partial(head_weights, **K), index_scores=index_scores,
         topk_select=topk_select, select=partial(select, dsa=dsa),
         latent_fp8_roundtrip=partial(latent_fp8_roundtrip, **K), causal_mask=partial(causal_mask, device=device), store=store,
         mha=mha, absorb=partial(absorb, bf16_operands=dsa is not None, **K),
@@ -1077,7 +1090,7 @@ def torch_ops(device, kernels=True, dsa=None, v4=None):
         tokens=lambda t: torch.as_tensor(np.asarray(t), device=device),
         angles=lambda cos, sin: (torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)),
         embed=lambda table, tokens: table[tokens].float(),
-        head=lambda h, w: h @ w.T, to_f32=lambda a: a.float(),
+        head=partial(proj_f32, **K), to_f32=lambda a: a.float(), fp32_weight=partial(fp32_weight, **K),
         param=partial(to_torch, device=device), weight=partial(weight, device=device, **K),
         plain_weight=partial(plain_weight, device=device),
         fuse_rows=fuse_rows, experts=partial(experts, device=device, **K),

@@ -59,7 +59,7 @@ import triton.language as tl
 import quant
 # the number formats and GEMMs, re-exported: callers name them kernels_cuda.act_quant, .fp8_gemm, ...
 from kernels_fp8 import (FP8, FP8_MAX, MOE_BLOCK_M, RMS_NORM_MAX, act_quant, add_rms_norm, bf16_round,  # noqa: F401
-                         fp8_gemm, moe_gemm, rms_norm, sm_count, swiglu_quant)
+                         fp8_gemm, matmul_f32, moe_gemm, rms_norm, sm_count, swiglu_quant)
 from kernels_fp8 import _bf16_round, _e4m3_decode, _interpreted, _ue8m0_quant   # the DSA kernels' helpers
 from kernels_moe import ROUTE_MAX, gate_topk, moe_combine, route  # noqa: F401  the routed experts' bookkeeping
 from kernels_v4 import (compress_keys, fp4_gemm, fp4_moe_gemm, hc_mix_pre, hc_post, index_scores_v4,  # noqa: F401  V4

@@ -12,6 +12,9 @@ _bf16_round from here.
     moe_gemm    the same GEMM for the routed experts: all experts' weights stacked [E, N, K], token
                 rows gathered by index (or a SwiGLU's own rows), one expert per 16-row block, bf16
                 values out (or in float32)                reference: quant.fp8_gemm per expert
+    matmul_f32  a @ b with exact products and float64 sums, rounded once to float32: the fp32
+                projections (router, indexer head weights, output head), bf16 weights read as stored
+                                                                  reference: quant.matmul_f32
     bf16_round  float32 -> the nearest bf16 values (from the bits), elementwise glue in one launch
                                                                   reference: quant.bf16_round
     rms_norm    a row's RMSNorm, weighted, bf16-rounded in official numerics, one launch instead of a
@@ -390,6 +393,80 @@ def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, decode=
     _moe_gemm_kernel[grid](a, sa, b, sb, c, rows, block_expert, rows if out_at is None else out_at, N, K, K // 128,
                            BLOCK_M=MOE_BLOCK_M, BLOCK_N=block_n, BLOCK_K=128, DECODE=decode, FNUZ=fnuz,
                            SELF_ROWS=self_rows, ROUND=bf16_values, SCATTER=out_at is not None, num_warps=4, num_stages=3)
+    return c
+
+
+# -----------------------------------------------------------------------------
+# The fp32 projections (the router's gate, the indexer's head weights, the output head): y = a b with
+# every product exact and the sums in float64, rounded once to float32: quant.matmul_f32's numbers, the
+# same bits whatever the row count or tiles (fp32 sums, as cuBLAS's, depend on both). A bf16 operand is
+# read as it is stored and widened in registers: half the bytes of a float32 copy, the same values.
+
+@triton.jit
+def _matmul_f32_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C [M, N] float32 = a b for a [M, K] and b [K, N] (any strides): every product exact (two float32
+    values multiply exactly in float64), float64 FMAs into [BLOCK_M, BLOCK_K, BLOCK_N] sums, added up over
+    k once at the end, rounded once. (Not tl.dot on float64: Triton 3.6 fails to lower it for sm_90 when an
+    operand is widened from bf16; Triton 3.9 compiles it.)"""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float64)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(A + rm[:, None].to(tl.int64) * sam + k[None, :] * sak, mask=(rm[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
+        b = tl.load(B + k[:, None] * sbk + rn[None, :].to(tl.int64) * sbn, mask=(k[:, None] < K) & (rn[None, :] < N),
+                    other=0.0)
+        acc += a.to(tl.float64)[:, :, None] * b.to(tl.float64)[None, :, :]
+    tl.store(C + rm[:, None].to(tl.int64) * N + rn[None, :], tl.sum(acc, 1).to(tl.float32),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _gemv_f32_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr):
+    """The same numbers for a few rows of a (a decode step): one program per row and BLOCK_N outputs, the
+    rows of one weight tile side by side (its bytes come once from memory). The row's K in K_STEPS
+    unrolled tiles, so every load is issued before the sums need it (a GEMV waits on memory, not on
+    arithmetic); float64 FMAs into [BLOCK_N, BLOCK_K] sums, added up over k once at the end."""
+    m, nb = tl.program_id(0) % M, tl.program_id(0) // M
+    rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
+    for i in tl.static_range(K_STEPS):
+        k = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(A + m.to(tl.int64) * sam + k * sak, mask=k < K, other=0.0)
+        w = tl.load(B + k[None, :] * sbk + rn[:, None].to(tl.int64) * sbn, mask=(rn[:, None] < N) & (k[None, :] < K),
+                    other=0.0)
+        acc += x.to(tl.float64)[None, :] * w.to(tl.float64)
+    tl.store(C + m.to(tl.int64) * N + rn, tl.sum(acc, 1).to(tl.float32), mask=rn < N)
+
+
+GEMV_ROWS = 4                                          # up to this many rows of a: _gemv_f32_kernel
+GEMV_MAX_K = 32 * 1024                                 # its unrolled K tiles (1024 wide) at most
+
+
+def matmul_f32(a, b):  # a [M, K], b [K, N] (float32 or bf16, any strides) -> [M, N] float32
+    """a @ b summed in float64 and rounded once to float32 (reference: quant.matmul_f32): the same bits
+    for any row count and tiles. A projection whose weight W [N, K] is stored row-major is b = W.T (a
+    view, k along W's rows); a bf16 W is read as stored and widened in registers."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul_f32: [M, K] @ [K, N] expected, got {tuple(a.shape)} @ {tuple(b.shape)}")
+    if {a.dtype, b.dtype} - {torch.float32, torch.bfloat16}:
+        raise ValueError(f"matmul_f32: float32 or bf16 operands expected, got {a.dtype} and {b.dtype}")
+    (M, K), N = a.shape, b.shape[1]
+    c = torch.empty(M, N, dtype=torch.float32, device=a.device)
+    if c.numel() == 0 or K == 0:
+        return c.zero_()
+    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1))
+    if M <= GEMV_ROWS and K <= GEMV_MAX_K:
+        bk = min(1024, triton.next_power_of_2(K))
+        bn = 2 if M * triton.cdiv(N, 2) >= 2 * sm_count(a.device) else 1           # enough programs to stream
+        _gemv_f32_kernel[(M * triton.cdiv(N, bn),)](a, b, c, M, N, K, *strides, BLOCK_N=bn, BLOCK_K=bk,
+                                                    K_STEPS=triton.cdiv(K, bk), num_warps=4)
+    else:
+        _matmul_f32_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 32))](a, b, c, M, N, K, *strides, BLOCK_M=16,
+                                                                       BLOCK_N=32, BLOCK_K=8, num_warps=4)
     return c
 
 

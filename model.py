@@ -164,15 +164,21 @@ def to_backend(w, ops):  # a nested weight dict -> the same with every array han
 def derive_weights(w, args, opts):
     """The weights as this model reads them, made once at load and never inside a step: a new dict
     over the same arrays (the caller's stays as it was), with
-    - head_f32: the output head in fp32 (the official head GEMM runs in fp32);
+    - head_f32: the output head for its fp32 GEMM (ops.head; the official head GEMM runs in fp32);
     - per layer, W_UK [H, N, C] and W_UV [H, V, C], wkv_b split per head for the absorbed form
       (bf16 values in official numerics; ops.absorb);
-    - the indexer's weights_proj and the router's gate in fp32 (fp32 projections in the official code;
-      a bf16 gate was widened inside every decode step: a 7 MB copy per MoE layer);
+    - the indexer's weights_proj and the router's gate for theirs (fp32 projections in the official
+      code; a bf16 gate was widened inside every decode step: a 7 MB copy per MoE layer). These three
+      are float32, or, where a kernel reads them (ops.fp32_weight: torch on a GPU), the bf16 values as
+      stored, widened in registers: half the bytes a step, and no float32 copy (3.7 GB for the head);
     - with ops.fuse_rows (official numerics): the linears of one input as row blocks of one weight,
       the groups of mla_forward's ops.linears, and the SwiGLU's w1 | w3 of the dense MLPs and the shared
       experts (ops.mlp)."""
     ops, H, N = opts.ops, args.num_attention_heads, args.qk_nope_head_dim
+
+    def fp32(W):  # a plain (bf16) weight of an fp32 projection: its values, never widened inside a step
+        return quant.Weight(ops.fp32_weight(W.w if W.scale is None else ops.dequant(W)), None)
+
     layers = []
     for layer in w["layers"]:
         p = dict(layer["attn"], indexer=dict(layer["attn"]["indexer"]))
@@ -185,10 +191,10 @@ def derive_weights(w, args, opts):
                 for (d, name), W in zip(g, ops.fuse_rows([d[name] for d, name in g])):
                     d[name] = W
         p["W_UK"], p["W_UV"] = ops.absorb(p["wkv_b"], H, N, opts.official)
-        idx["weights_proj"] = quant.Weight(ops.to_f32(ops.dequant(idx["weights_proj"])), None)
+        idx["weights_proj"] = fp32(idx["weights_proj"])
         ffn = layer["ffn"]
         if "gate" in ffn:
-            ffn = dict(ffn, gate=quant.Weight(ops.to_f32(ops.dequant(ffn["gate"])), None))
+            ffn = dict(ffn, gate=fp32(ffn["gate"]))
         if ops.fuse_rows is not None and opts.official:              # a SwiGLU's w1 | w3: one weight
             fused = lambda m: dict(m, **dict(zip(("w1", "w3"), ops.fuse_rows([m["w1"], m["w3"]]))))  # noqa: E731
             if "shared_experts" in ffn:
@@ -196,7 +202,7 @@ def derive_weights(w, args, opts):
             elif "w1" in ffn:                                        # a dense-FFN layer
                 ffn = fused(ffn)
         layers.append(dict(layer, attn=p, ffn=ffn))
-    return dict(w, layers=layers, head_f32=ops.to_f32(w["head"]))
+    return dict(w, layers=layers, head_f32=ops.fp32_weight(w["head"]))
 
 
 # -----------------------------------------------------------------------------

@@ -89,7 +89,9 @@ class Ops:
     angles: Callable               # cos, sin [T, R/2] NumPy -> the backend's
     embed: Callable                # table [V, d], tokens [B, T] -> [B, T, d] f32
     head: Callable                 # h [..., d], W [V, d] f32 -> logits [..., V] f32
-    to_f32: Callable               # a plain array -> f32 on this backend (made at load: the head, weights_proj)
+    to_f32: Callable               # a plain array -> f32 on this backend (made at load: V4's fp32 projections)
+    fp32_weight: Callable          # a plain weight for head / head_weights / gate, made at load: f32, or the
+    #                                bf16 array as stored where those widen it in a kernel (torch on a GPU)
     param: Callable                # a checkpoint array -> the backend's
     weight: Callable               # a checkpoint Weight -> the backend's (FP8 stays FP8)
     plain_weight: Callable         # a checkpoint Weight -> the backend's, in the checkpoint's own layout
@@ -154,7 +156,7 @@ NUMPY_OPS = Ops(
     cat=lambda xs, axis: np.concatenate(xs, axis), zeros=_zeros,
     tokens=np.asarray, angles=lambda cos, sin: (cos, sin),
     embed=lambda table, tokens: np.asarray(table[tokens], np.float32),
-    head=lambda h, w: h @ w.T, to_f32=lambda a: np.asarray(a, np.float32),
+    head=lambda h, w: h @ w.T, to_f32=lambda a: np.asarray(a, np.float32), fp32_weight=lambda a: np.asarray(a, np.float32),
     param=lambda a: a, weight=lambda W: W, plain_weight=lambda W: W,
     hc_mix_pre=mhc.hc_mix_pre_ref, hc_post=mhc.hc_post_ref, hc_head=mhc.hc_head_ref,
     v4_norm=compressor.rms_norm, v4_attention=attention_v4.attention_v4_forward, v4_moe=moe.moe_ref,

@@ -224,6 +224,34 @@ def test_fp8_gemm_columns_do_not_depend_on_their_neighbours(M, blocks, ragged, k
                                   torch.cat(apart, 1).view(torch.int16).cpu().numpy())
 
 
+@settings(max_examples=12, deadline=None)
+@given(st.sampled_from([1, 2, 3, 5, 16, 17, 70]), st.integers(1, 1400), st.integers(1, 150), st.booleans(),
+       st.sampled_from(["W.T", "[K, N]"]), st.booleans(), st.integers(0, 2 ** 31))
+def test_matmul_f32(M, K, N, bf16, layout, strided_a, seed):
+    """The fp32 projections: every product exact and the sums in float64, rounded once, so the bits of
+    the float64 oracle rounded to float32 (two float64 sums of the same terms in different orders round
+    to different float32 values only when one lands within ~1e-16 of a rounding boundary: never, in
+    practice; an fp32 accumulator differs in a large share of the outputs), whatever the rows (the GEMV
+    of up to 4 rows, one or two outputs a program, or the 16 x 32 tiles), K (one or more unrolled
+    tiles), the weight's dtype and layout and a's strides."""
+    rng = np.random.default_rng(seed)
+    step = 2 if strided_a else 1                                           # x as a view with a column stride
+    A = torch.from_numpy((rng.standard_normal((M, step * K)) * 3).astype(np.float32)).to(DEV)[:, ::step]
+    a = A.cpu().numpy()
+    W = rng.standard_normal((N, K)).astype(np.float32)
+    if bf16:
+        W = W.astype(ml_dtypes.bfloat16).astype(np.float32)                # bf16 values, read as bf16
+    want = (a.astype(np.float64) @ W.T.astype(np.float64)).astype(np.float32)
+    Wt = torch.from_numpy(W).to(DEV).to(torch.bfloat16 if bf16 else torch.float32)
+    b = Wt.T if layout == "W.T" else Wt.T.contiguous()
+    got = kernels_cuda.matmul_f32(A, b)
+    np.testing.assert_array_equal(got.cpu().numpy().view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="matmul_f32"):
+        kernels_cuda.matmul_f32(A, torch.cat([b, b]))                     # [M, K] @ [2K, N]
+    with pytest.raises(ValueError, match="matmul_f32"):
+        kernels_cuda.matmul_f32(got[:, :1].to(torch.float16), b[:1])
+
+
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx90a"])
 @settings(max_examples=4)
 @given(st.integers(1, 24), st.integers(1, 130), st.sampled_from([128, 256]), st.integers(0, 2 ** 31))
