@@ -36,12 +36,13 @@ def block_scaled(rng, rows, K, weight=False):  # standard normal values times 2^
 
 
 def assert_fp8_gemm_close(got, ref, a, sa, b, sb):  # a kernel's fp32 [M, N] against quant.fp8_gemm's
-    """Each output within a fraction of its sum of absolute products, Σ_k |a_k b_k| times the scales, the
-    sum the partials round relative to (the result itself can be far smaller where they cancel): 2^-10 on
-    a GPU, whose tensor core adds a 128-term fp8 block keeping about 14 bits of its largest terms and drops
-    the rest, so the errors share a sign (spec/kernels.md §4.1; on the H200 at most 2^-11.6 of the sum over
-    300 drawn GEMMs); 2^-18 in the interpreter, whose products are exact and whose fp32 sums round (128
-    additions at 2^-24: 2^-17 at worst; measured 2^-24)."""
+    """Each output within a fraction of its sum of absolute products, Σ_k |a_k b_k| times the scales (the
+    result itself can be far smaller where the terms cancel): 2^-10 on a GPU, 2^-18 in the interpreter.
+    On the H200 the 64- and 128-row tiles run Hopper's fp8 wgmma, which adds a 128-term block keeping
+    about 13 bits below its largest term and drops the rest: 2^16 + 127 x 2^0 comes back 2^16, and
+    2^8 + 127 x 2^-4 whole (the 16- and 32-row tiles' mma keeps all of both). Truncated, the errors do not
+    average out: at most 2^-11.6 of the sum over 300 drawn GEMMs (2026-12-03). In the interpreter the products are
+    exact and only the fp32 sums round (128 additions at 2^-24: 2^-17 at worst; measured 2^-24)."""
     bound = 2.0 ** -10 if not INTERPRETED else 2.0 ** -18
     rel = np.abs(got - ref) / np.maximum(quant.fp8_gemm(np.abs(a), sa, np.abs(b), sb), np.finfo(np.float32).tiny)
     assert rel.max() <= bound, f"an output {rel.max():.3g} of its sum of absolute products off (bound {bound:.3g})"
