@@ -88,7 +88,7 @@ class Ops:
     tokens: Callable               # [B, T] int array -> the backend's
     angles: Callable               # cos, sin [T, R/2] NumPy -> the backend's
     embed: Callable                # table [V, d], tokens [B, T] -> [B, T, d] f32
-    head: Callable                 # h [..., d], W [V, d] f32 -> logits [..., V] f32
+    head: Callable                 # h [..., d], W [V, d] (fp32_weight's) -> logits [..., V] f32
     to_f32: Callable               # a plain array -> f32 on this backend (made at load: V4's fp32 projections)
     fp32_weight: Callable          # a plain weight for head / head_weights / gate, made at load: f32, or the
     #                                bf16 array as stored where those widen it in a kernel (torch on a GPU)
@@ -139,6 +139,10 @@ def _zeros(shape, fp8):  # cache storage: FP8 codes (ml_dtypes) or float32
     return np.zeros(shape, quant.E4M3 if fp8 else np.float32)
 
 
+def _f32(a):  # a plain array -> float32 (NumPy: the head, the fp32 projections' weights, V4's)
+    return np.asarray(a, np.float32)
+
+
 NUMPY_OPS = Ops(
     name="numpy", device=None, kernels=None,                  # weights stay memory-mapped NumPy arrays
     bf16_round=quant.bf16_round, no_round=quant.no_round,
@@ -156,7 +160,7 @@ NUMPY_OPS = Ops(
     cat=lambda xs, axis: np.concatenate(xs, axis), zeros=_zeros,
     tokens=np.asarray, angles=lambda cos, sin: (cos, sin),
     embed=lambda table, tokens: np.asarray(table[tokens], np.float32),
-    head=lambda h, w: h @ w.T, to_f32=lambda a: np.asarray(a, np.float32), fp32_weight=lambda a: np.asarray(a, np.float32),
+    head=lambda h, w: h @ w.T, to_f32=_f32, fp32_weight=_f32,
     param=lambda a: a, weight=lambda W: W, plain_weight=lambda W: W,
     hc_mix_pre=mhc.hc_mix_pre_ref, hc_post=mhc.hc_post_ref, hc_head=mhc.hc_head_ref,
     v4_norm=compressor.rms_norm, v4_attention=attention_v4.attention_v4_forward, v4_moe=moe.moe_ref,
