@@ -156,29 +156,52 @@ def act_quant(x, fp8=FP8, fp8_max=FP8_MAX, block_m=None):
 # Block-scaled FP8 GEMM: C[M, N] = sum over K blocks of (A_kb B_kb^T) * sa[m, kb] * sb[n // 128, kb]
 
 @triton.jit
-def _block_partial(A, B, rm, rn, kb, M, N, K, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, FNUZ: tl.constexpr):
-    """A_kb B_kb^T of one 128-wide K block: [BLOCK_M, BLOCK_N] in a fresh fp32 accumulator."""
-    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    a_ok = (rm[:, None] < M) & (k[None, :] < K)
-    b_ok = (rn[None, :] < N) & (k[:, None] < K)
+def _block_operands(a_at, b_at, kb, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, FNUZ: tl.constexpr):
+    """K block kb's [BLOCK_M, BLOCK_K] and [BLOCK_K, BLOCK_N] operands, from the addresses of block 0's."""
+    a, b = tl.load(a_at + kb * BLOCK_K), tl.load(b_at + kb * BLOCK_K)
     if DECODE:                           # no FP8 hardware: decode bytes to fp16 (exact for every e4m3 value)
-        a = _e4m3_decode(tl.load(A + rm[:, None].to(tl.int64) * K + k[None, :], mask=a_ok, other=0), FNUZ).to(tl.float16)
-        b = _e4m3_decode(tl.load(B + rn[None, :] * K + k[:, None], mask=b_ok, other=0), FNUZ).to(tl.float16)
+        a, b = _e4m3_decode(a, FNUZ).to(tl.float16), _e4m3_decode(b, FNUZ).to(tl.float16)
+    return a, b
+
+
+@triton.jit
+def _tile_rows(A, B, pid_m, pid_n, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               WHOLE_M: tl.constexpr, WHOLE_N: tl.constexpr):
+    """A tile's rows rm and columns rn, the rows and columns it reads (rm_in, rn_in), and the addresses of
+    their K block 0 (K is whole 128-blocks always), so that every load is whole and unmasked:
+    - WHOLE_M (M >= BLOCK_M): the last tile of rows is moved back to end at row M, over its neighbour's
+      last rows, which both compute (the same bits: output (m, n) reads only row m of A and row n of B,
+      whichever tile it is in); the rows stay contiguous;
+    - else a tile's rows past M read row M - 1 (clamped) and their outputs are never stored.
+    The same for columns with WHOLE_N (N >= BLOCK_N) and N."""
+    if WHOLE_M:
+        rm = tl.minimum(pid_m * BLOCK_M, M - BLOCK_M) + tl.arange(0, BLOCK_M)
+        rm_in = rm
     else:
-        a = tl.load(A + rm[:, None].to(tl.int64) * K + k[None, :], mask=a_ok, other=0.0)   # (int64: a long prompt's rows)
-        b = tl.load(B + rn[None, :] * K + k[:, None], mask=b_ok, other=0.0)          # [BLOCK_K, BLOCK_N]
-    return tl.dot(a, b, out_dtype=tl.float32)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm_in = tl.minimum(rm, M - 1)
+    if WHOLE_N:
+        rn = tl.minimum(pid_n * BLOCK_N, N - BLOCK_N) + tl.arange(0, BLOCK_N)
+        rn_in = rn
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn_in = tl.minimum(rn, N - 1)
+    k = tl.arange(0, BLOCK_K)
+    a_at = A + rm_in[:, None].to(tl.int64) * K + k[None, :]             # [BLOCK_M, BLOCK_K] (int64: long prompts)
+    b_at = B + rn_in[None, :] * K + k[:, None]                          # [BLOCK_K, BLOCK_N]
+    return rm, rn, rm_in, rn_in, a_at, b_at
 
 
 @triton.jit
 def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     DECODE: tl.constexpr, FNUZ: tl.constexpr, ROUND: tl.constexpr, EVEN: tl.constexpr = False):
+                     DECODE: tl.constexpr, FNUZ: tl.constexpr, ROUND: tl.constexpr,
+                     WHOLE_M: tl.constexpr, WHOLE_N: tl.constexpr):
     """Reference: quant.fp8_gemm. A [M, K] fp8 (row-major), B [N, K] fp8 (K contiguous, as stored),
     SA [M, NUM_KB], SB [ceil(N/128), NUM_KB] float32, C [M, N] (ROUND: rounded to bf16 values, C float32).
-    EVEN: whole tiles (BLOCK_M | M, BLOCK_N | N; K is whole 128-blocks always): the same loop without
-    masks, the tiles' addresses made once (H200, bench_gemm.py, M = 2048 / 8192: o 600 / 575 -> 813 / 822
-    TFLOP/s, mlp_w1 587 / 585 -> 798 / 796, with 4 stages for 3; the same bits)."""
+    Every tile runs the K loop without masks, its addresses made once (_tile_rows): H200, bench_gemm.py,
+    M = 2048 / 8192, o 600 / 575 -> 813 / 822 TFLOP/s, mlp_w1 587 / 585 -> 798 / 796 against a loop
+    masked by rows and columns (with 4 stages for 3); the same bits."""
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * n_n)                                     # grouped order: reuse B tiles in L2
@@ -186,24 +209,15 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
     size_m = tl.minimum(n_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
     pid_n = (pid % (GROUP_M * n_n)) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn, rm_in, rn_in, a_at, b_at = _tile_rows(A, B, pid_m, pid_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                  WHOLE_M, WHOLE_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if EVEN:
-        k = tl.arange(0, BLOCK_K)
-        a_at = A + rm[:, None].to(tl.int64) * K + k[None, :]            # [BLOCK_M, BLOCK_K] of block 0
-        b_at = B + rn[None, :] * K + k[:, None]                          # [BLOCK_K, BLOCK_N] of block 0
-        for kb in range(NUM_KB):
-            partial = tl.dot(tl.load(a_at + kb * BLOCK_K), tl.load(b_at + kb * BLOCK_K), out_dtype=tl.float32)
-            sa = tl.load(SA + rm * NUM_KB + kb)
-            sb = tl.load(SB + (rn // 128) * NUM_KB + kb)
-            acc += partial * (sa[:, None] * sb[None, :])               # "2xAcc" promotion in fp32
-    else:
-        for kb in range(NUM_KB):
-            partial = _block_partial(A, B, rm, rn, kb, M, N, K, BLOCK_K, DECODE, FNUZ)
-            sa = tl.load(SA + rm * NUM_KB + kb, mask=rm < M, other=0.0)
-            sb = tl.load(SB + (rn // 128) * NUM_KB + kb, mask=rn < N, other=0.0)
-            acc += partial * (sa[:, None] * sb[None, :])               # "2xAcc" promotion in fp32
+    for kb in range(NUM_KB):
+        a, b = _block_operands(a_at, b_at, kb, BLOCK_K, DECODE, FNUZ)
+        partial = tl.dot(a, b, out_dtype=tl.float32)                   # A_kb B_kb^T in a fresh fp32 accumulator
+        sa = tl.load(SA + rm_in * NUM_KB + kb)
+        sb = tl.load(SB + (rn_in // 128) * NUM_KB + kb)
+        acc += partial * (sa[:, None] * sb[None, :])                   # "2xAcc" promotion in fp32
     if ROUND:
         acc = _bf16_round(acc)
     tl.store(C + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(C.dtype.element_ty),
@@ -217,15 +231,16 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
 @triton.jit
 def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              DECODE: tl.constexpr, FNUZ: tl.constexpr):
+                              DECODE: tl.constexpr, FNUZ: tl.constexpr, WHOLE_M: tl.constexpr, WHOLE_N: tl.constexpr):
     """P [NUM_KB, M, N] float32 = A_kb B_kb^T, unscaled, for KB_PER consecutive K blocks per program."""
     tile, ks = tl.program_id(0), tl.program_id(1)
     n_n = tl.cdiv(N, BLOCK_N)
-    rm = (tile // n_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = (tile % n_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn, _, _, a_at, b_at = _tile_rows(A, B, tile // n_n, tile % n_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                          WHOLE_M, WHOLE_N)
     ok = (rm[:, None] < M) & (rn[None, :] < N)
     for kb in range(ks * KB_PER, tl.minimum(NUM_KB, ks * KB_PER + KB_PER)):
-        partial = _block_partial(A, B, rm, rn, kb, M, N, K, BLOCK_K, DECODE, FNUZ)
+        a, b = _block_operands(a_at, b_at, kb, BLOCK_K, DECODE, FNUZ)
+        partial = tl.dot(a, b, out_dtype=tl.float32)
         tl.store(P + (kb * M + rm[:, None]).to(tl.int64) * N + rn[None, :], partial, mask=ok)
 
 
@@ -303,14 +318,14 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
     kb_per = triton.cdiv(nkb, max(1, min(split_k, nkb)))
     split_k = triton.cdiv(nkb, kb_per)
     if split_k == 1:
-        even = M % bm == 0 and N % bn == 0 and not decode
         _fp8_gemm_kernel[(tiles,)](a, b, c, sa, sb, M, N, K, nkb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8,
-                                   DECODE=decode, FNUZ=fnuz, ROUND=bf16_values, EVEN=even, num_warps=warps,
-                                   num_stages=stages)
+                                   DECODE=decode, FNUZ=fnuz, ROUND=bf16_values, WHOLE_M=M >= bm, WHOLE_N=N >= bn,
+                                   num_warps=warps, num_stages=stages)
         return c
     p = torch.empty(nkb, M, N, dtype=torch.float32, device=a.device)
     _fp8_gemm_partials_kernel[(tiles, split_k)](a, b, p, M, N, K, nkb, kb_per, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128,
-                                                DECODE=decode, FNUZ=fnuz, num_warps=warps, num_stages=stages)
+                                                DECODE=decode, FNUZ=fnuz, WHOLE_M=M >= bm, WHOLE_N=N >= bn,
+                                                num_warps=warps, num_stages=stages)
     bn, kbt = COMBINE_TILE
     _fp8_gemm_combine_kernel[(M, triton.cdiv(N, bn))](p, sa, sb, c, M, N, nkb, BLOCK_N=bn,
                                                       KB_TILE=min(kbt, triton.next_power_of_2(nkb)), ROUND=bf16_values,

@@ -1,6 +1,7 @@
 """Block-FP8 GEMM and act_quant (kernels_fp8.py) on DeepSeek-V3.2-Exp's real shapes, on one GPU.
 
-For each weight shape [N, K] and M in (1, 16, 128, 2048, 8192): kernel time (median of CUDA-event
+For each weight shape [N, K] and M in (1, 16, 128, 2048, 4000, 8192; 4000 rows, a prompt's length, are
+no whole number of tiles): kernel time (median of CUDA-event
 timed replays of the call captured in a CUDA graph, as a captured decode step runs it: GPU time
 without Python's launch cost; L2 flushed between runs), TFLOP/s and TB/s, the ratio to the roofline
 measured in the same run (FP8 matmul peak via torch._scaled_mm, device copy bandwidth), and the ratio
@@ -31,7 +32,7 @@ SHAPES = {  # name -> (N, K) of the weight, DeepSeek-V3.2-Exp (spec/dsv32.md §2
     "expert_w1": (2048, 7168), "expert_w2": (7168, 2048),
     "q_a+kv_a+idx_wk": (2240, 7168), "q_b+idx_wq_b": (32768, 1536),   # the model's fused projections (one GEMM each)
 }
-MS = (1, 16, 128, 2048, 8192)
+MS = (1, 16, 128, 2048, 4000, 8192)
 FLUSH = None
 
 
