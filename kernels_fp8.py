@@ -165,27 +165,25 @@ def _block_operands(a_at, b_at, kb, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
 
 
 @triton.jit
+def _tile_span(pid, M, BLOCK_M: tl.constexpr, WHOLE: tl.constexpr):
+    """Tile pid's rows r of M and the rows it reads, r_in, every one inside [0, M), so that its loads need
+    no mask: WHOLE (M >= BLOCK_M): the last tile is moved back to end at row M, over its neighbour's last
+    rows, which both compute (the same bits: an output reads its own row and column only, whichever tile
+    it is in), and the rows stay contiguous; else rows past M read row M - 1, and are never stored."""
+    if WHOLE:
+        r = tl.minimum(pid * BLOCK_M, M - BLOCK_M) + tl.arange(0, BLOCK_M)
+        return r, r
+    r = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    return r, tl.minimum(r, M - 1)
+
+
+@triton.jit
 def _tile_rows(A, B, pid_m, pid_n, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                WHOLE_M: tl.constexpr, WHOLE_N: tl.constexpr):
-    """A tile's rows rm and columns rn, the rows and columns it reads (rm_in, rn_in), and the addresses of
-    their K block 0 (K is whole 128-blocks always), so that every load is whole and unmasked:
-    - WHOLE_M (M >= BLOCK_M): the last tile of rows is moved back to end at row M, over its neighbour's
-      last rows, which both compute (the same bits: output (m, n) reads only row m of A and row n of B,
-      whichever tile it is in); the rows stay contiguous;
-    - else a tile's rows past M read row M - 1 (clamped) and their outputs are never stored.
-    The same for columns with WHOLE_N (N >= BLOCK_N) and N."""
-    if WHOLE_M:
-        rm = tl.minimum(pid_m * BLOCK_M, M - BLOCK_M) + tl.arange(0, BLOCK_M)
-        rm_in = rm
-    else:
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rm_in = tl.minimum(rm, M - 1)
-    if WHOLE_N:
-        rn = tl.minimum(pid_n * BLOCK_N, N - BLOCK_N) + tl.arange(0, BLOCK_N)
-        rn_in = rn
-    else:
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rn_in = tl.minimum(rn, N - 1)
+    """A tile's rows rm and columns rn, those it reads (rm_in, rn_in: _tile_span), and the addresses of
+    their K block 0 (K is whole 128-blocks always)."""
+    rm, rm_in = _tile_span(pid_m, M, BLOCK_M, WHOLE_M)
+    rn, rn_in = _tile_span(pid_n, N, BLOCK_N, WHOLE_N)
     k = tl.arange(0, BLOCK_K)
     a_at = A + rm_in[:, None].to(tl.int64) * K + k[None, :]             # [BLOCK_M, BLOCK_K] (int64: long prompts)
     b_at = B + rn_in[None, :] * K + k[:, None]                          # [BLOCK_K, BLOCK_N]
@@ -340,7 +338,7 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
 def _moe_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, OUT_AT, N, K, NUM_KB,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DECODE: tl.constexpr, FNUZ: tl.constexpr, SELF_ROWS: tl.constexpr, ROUND: tl.constexpr,
-                     SCATTER: tl.constexpr):
+                     SCATTER: tl.constexpr, WHOLE_N: tl.constexpr):
     """Reference: quant.fp8_gemm on each row block's expert. A [*, K] fp8 with SA [*, NUM_KB];
     B [E, N, K] fp8 with SB [E, ceil(N/128), NUM_KB] (all experts stacked); ROWS [P] the A row of
     each output row (-1: padding; SELF_ROWS: A's row is the output row itself, ROWS only says which
@@ -353,26 +351,18 @@ def _moe_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, OUT_AT, N, K, NUM_KB,
         p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row = tl.load(ROWS + p)
         valid = row >= 0
-        row = tl.where(valid, p if SELF_ROWS else row, 0)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        b_base = B + e.to(tl.int64) * N * K
-        sb_base = SB + e.to(tl.int64) * tl.cdiv(N, 128) * NUM_KB
+        row = tl.where(valid, p if SELF_ROWS else row, 0)              # padding reads row 0 and is never stored
+        rn, rn_in = _tile_span(pid_n, N, BLOCK_N, WHOLE_N)
+        k = tl.arange(0, BLOCK_K)
+        a_at = A + row[:, None].to(tl.int64) * K + k[None, :]          # gathered rows, K block 0
+        b_at = B + e.to(tl.int64) * N * K + rn_in[None, :] * K + k[:, None]
+        sb_at = SB + e.to(tl.int64) * tl.cdiv(N, 128) * NUM_KB + (rn_in // 128) * NUM_KB
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(NUM_KB):
-            k = kb * BLOCK_K + rk
-            a_ok = valid[:, None] & (k[None, :] < K)
-            b_ok = (rn[None, :] < N) & (k[:, None] < K)
-            if DECODE:
-                a = _e4m3_decode(tl.load(A + row[:, None].to(tl.int64) * K + k[None, :], mask=a_ok, other=0),
-                                 FNUZ).to(tl.float16)
-                b = _e4m3_decode(tl.load(b_base + rn[None, :] * K + k[:, None], mask=b_ok, other=0), FNUZ).to(tl.float16)
-            else:
-                a = tl.load(A + row[:, None].to(tl.int64) * K + k[None, :], mask=a_ok, other=0.0)   # gathered rows
-                b = tl.load(b_base + rn[None, :] * K + k[:, None], mask=b_ok, other=0.0)
+        for kb in range(NUM_KB):                                       # every load whole: no masks in the loop
+            a, b = _block_operands(a_at, b_at, kb, BLOCK_K, DECODE, FNUZ)
             partial = tl.dot(a, b, out_dtype=tl.float32)
-            sa = tl.load(SA + row * NUM_KB + kb, mask=valid, other=0.0)
-            sb = tl.load(sb_base + (rn // 128) * NUM_KB + kb, mask=rn < N, other=0.0)
+            sa = tl.load(SA + row * NUM_KB + kb)
+            sb = tl.load(sb_at + kb)
             acc += partial * (sa[:, None] * sb[None, :])
         if ROUND:
             acc = _bf16_round(acc)
@@ -407,7 +397,8 @@ def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, decode=
     grid = (P // MOE_BLOCK_M, triton.cdiv(N, block_n))
     _moe_gemm_kernel[grid](a, sa, b, sb, c, rows, block_expert, rows if out_at is None else out_at, N, K, K // 128,
                            BLOCK_M=MOE_BLOCK_M, BLOCK_N=block_n, BLOCK_K=128, DECODE=decode, FNUZ=fnuz,
-                           SELF_ROWS=self_rows, ROUND=bf16_values, SCATTER=out_at is not None, num_warps=4, num_stages=3)
+                           SELF_ROWS=self_rows, ROUND=bf16_values, SCATTER=out_at is not None, WHOLE_N=N >= block_n,
+                           num_warps=4, num_stages=3)
     return c
 
 
