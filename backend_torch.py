@@ -386,12 +386,22 @@ def latent_attention(q_nope, q_pe, latent, sel, p, start_pos, S, args, rnd, *, d
     B, T = q_nope.shape[:2]
     if sel is None and T > 1:
         return dense_prefill(q_nope, q_pe, latent, p, start_pos, S, args, rnd, dt, kern=kern)
-    H = args.num_attention_heads
-    qa = torch.einsum("bthn,hnc->bthc", q_nope.to(dt), p["W_UK"])      # [B, T, H, C] in dt (bf16: rnd's rounding)
+    H, official = args.num_attention_heads, dt == torch.bfloat16
+    # a decode step's few rows: the per-head GEMVs (float64 sums rounded once, then rnd's rounding, in one
+    # launch each, the weights read once); more rows: cuBLAS, in dt (bf16: rounded as rnd)
+    gemv = kern is not None and B * T <= kern.GEMV_ROWS
+    if gemv:
+        qa = kern.heads_matmul_f32(q_nope.reshape(B * T, H, -1), p["W_UK"], out_dtype=dt,
+                                   bf16_values=official).reshape(B, T, H, -1)                  # [B, T, H, C]
+    else:
+        qa = torch.einsum("bthn,hnc->bthc", q_nope.to(dt), p["W_UK"])      # [B, T, H, C] in dt
     many = B * T * -(-H // 64) >= dsa.sm_count(latent.device)          # one wave of programs without splits
     fn = dsa.sparse_mla_prefill if many else dsa.sparse_mla_decode
     # q_pe as it is: float32 holding dt values (official: rounded to bf16), taken to dt inside the kernel, exactly
     o, _ = fn(qa, q_pe, latent, sel, args.softmax_scale, start_pos, S=S, out_dtype=dt)   # weighted latent
+    if gemv:
+        return kern.heads_matmul_f32(o.reshape(B * T, H, -1), p["W_UV"].transpose(1, 2),
+                                     bf16_values=official).reshape(B, T, H, -1)                # [B, T, H, V]
     return rnd(torch.einsum("bthc,hvc->bthv", o, p["W_UV"]))
 
 

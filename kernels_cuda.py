@@ -11,6 +11,9 @@ Number formats and GEMMs, in kernels_fp8.py (its docstring has the details), re-
     rms_norm    a row's RMSNorm (V3.2's and V4's), one launch     reference: attention.rms_norm_ref, compressor.rms_norm
     add_rms_norm  the residual add, the norm and the sum's rounding in one launch
                                                                   reference: model.Transformer._norm's steps
+    matmul_f32  a @ b, exact products, float64 sums rounded once   reference: quant.matmul_f32
+    heads_matmul_f32  the same per head, a decode step's absorbed q^C W^UK and o W^UV^T
+                                                                  reference: quant.matmul_f32 per head
 
 The routed experts' bookkeeping, in kernels_moe.py, re-exported here (a decode step's MoE layer ran it as
 about forty small torch kernels):
@@ -58,8 +61,9 @@ import triton.language as tl
 
 import quant
 # the number formats and GEMMs, re-exported: callers name them kernels_cuda.act_quant, .fp8_gemm, ...
-from kernels_fp8 import (FP8, FP8_MAX, MOE_BLOCK_M, RMS_NORM_MAX, act_quant, add_rms_norm, bf16_round,  # noqa: F401
-                         fp8_gemm, matmul_f32, moe_gemm, rms_norm, sm_count, swiglu_quant)
+from kernels_fp8 import (FP8, FP8_MAX, GEMV_ROWS, MOE_BLOCK_M, RMS_NORM_MAX, act_quant, add_rms_norm,  # noqa: F401
+                         bf16_round, fp8_gemm, heads_matmul_f32, matmul_f32, moe_gemm, rms_norm, sm_count,
+                         swiglu_quant)
 from kernels_fp8 import _bf16_round, _e4m3_decode, _interpreted, _ue8m0_quant   # the DSA kernels' helpers
 from kernels_moe import ROUTE_MAX, gate_topk, moe_combine, route  # noqa: F401  the routed experts' bookkeeping
 from kernels_v4 import (compress_keys, fp4_gemm, fp4_moe_gemm, hc_mix_pre, hc_post, index_scores_v4,  # noqa: F401  V4

@@ -15,6 +15,8 @@ _bf16_round from here.
     matmul_f32  a @ b with exact products and float64 sums, rounded once to float32: the fp32
                 projections (router, indexer head weights, output head), bf16 weights read as stored
                                                                   reference: quant.matmul_f32
+    heads_matmul_f32  the same per head for a decode step's few rows: the absorbed MLA's q^C W^UK and
+                o W^UV^T, bf16 values out in official numerics     reference: quant.matmul_f32 per head
     bf16_round  float32 -> the nearest bf16 values (from the bits), elementwise glue in one launch
                                                                   reference: quant.bf16_round
     rms_norm    a row's RMSNorm, weighted, bf16-rounded in official numerics, one launch instead of a
@@ -430,13 +432,16 @@ def _matmul_f32_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn,
 
 
 @triton.jit
-def _gemv_f32_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr):
+def _gemv_f32_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn, scm, sah, sbh, sch,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, ROUND: tl.constexpr):
     """The same numbers for a few rows of a (a decode step): one program per row and BLOCK_N outputs, the
-    rows of one weight tile side by side (its bytes come once from memory). The row's K in K_STEPS
-    unrolled tiles, so every load is issued before the sums need it (a GEMV waits on memory, not on
-    arithmetic); float64 FMAs into [BLOCK_N, BLOCK_K] sums, added up over k once at the end."""
-    m, nb = tl.program_id(0) % M, tl.program_id(0) // M
+    rows of one weight tile side by side (its bytes come once from memory); per head h (program_id(1))
+    of a batched product, a[:, h] b[h] into c[:, h] (the strides sah, sbh, sch; 0 for one product). The
+    row's K in K_STEPS unrolled tiles, so every load is issued before the sums need it (a GEMV waits on
+    memory, not on arithmetic); float64 FMAs into [BLOCK_N, BLOCK_K] sums, added up over k once at the
+    end, rounded once (ROUND: then to bf16 values)."""
+    m, nb, h = tl.program_id(0) % M, tl.program_id(0) // M, tl.program_id(1)
+    A, B, C = A + h.to(tl.int64) * sah, B + h.to(tl.int64) * sbh, C + h.to(tl.int64) * sch
     rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
     for i in tl.static_range(K_STEPS):
@@ -445,11 +450,29 @@ def _gemv_f32_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn,
         w = tl.load(B + k[None, :] * sbk + rn[:, None].to(tl.int64) * sbn, mask=(rn[:, None] < N) & (k[None, :] < K),
                     other=0.0)
         acc += x.to(tl.float64)[None, :] * w.to(tl.float64)
-    tl.store(C + m.to(tl.int64) * N + rn, tl.sum(acc, 1).to(tl.float32), mask=rn < N)
+    y = tl.sum(acc, 1).to(tl.float32)
+    if ROUND:
+        y = _bf16_round(y)
+    tl.store(C + m.to(tl.int64) * scm + rn, y.to(C.dtype.element_ty), mask=rn < N)
 
 
 GEMV_ROWS = 4                                          # up to this many rows of a: _gemv_f32_kernel
 GEMV_MAX_K = 32 * 1024                                 # its unrolled K tiles (1024 wide) at most
+
+
+def _gemv(a, b, c, M, N, K, H, sam, sak, sah, sbk, sbn, sbh, scm, sch, bf16_values):  # _gemv_f32_kernel's launch
+    """Tiles by b's layout: k contiguous (a weight W [N, K] as b = W.T), one or two outputs a program
+    with K in 1024-wide steps; n contiguous (b [K, N] row-major), 64 outputs a program, each k's 64
+    values one coalesced read."""
+    if sbn == 1 and sbk != 1:
+        bn, bk = min(64, triton.next_power_of_2(N)), min(128, triton.next_power_of_2(K))
+    else:
+        bk = min(1024, triton.next_power_of_2(K))
+        bn = 2 if H * M * triton.cdiv(N, 2) >= 2 * sm_count(a.device) else 1       # enough programs to stream
+    _gemv_f32_kernel[(M * triton.cdiv(N, bn), H)](a, b, c, M, N, K, sam, sak, sbk, sbn, scm, sah, sbh, sch,
+                                                  BLOCK_N=bn, BLOCK_K=bk, K_STEPS=triton.cdiv(K, bk),
+                                                  ROUND=bf16_values, num_warps=4)
+    return c
 
 
 def matmul_f32(a, b):  # a [M, K], b [K, N] (float32 or bf16, any strides) -> [M, N] float32
@@ -464,16 +487,33 @@ def matmul_f32(a, b):  # a [M, K], b [K, N] (float32 or bf16, any strides) -> [M
     c = torch.empty(M, N, dtype=torch.float32, device=a.device)
     if c.numel() == 0 or K == 0:
         return c.zero_()
-    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1))
     if M <= GEMV_ROWS and K <= GEMV_MAX_K:
-        bk = min(1024, triton.next_power_of_2(K))
-        bn = 2 if M * triton.cdiv(N, 2) >= 2 * sm_count(a.device) else 1           # enough programs to stream
-        _gemv_f32_kernel[(M * triton.cdiv(N, bn),)](a, b, c, M, N, K, *strides, BLOCK_N=bn, BLOCK_K=bk,
-                                                    K_STEPS=triton.cdiv(K, bk), num_warps=4)
-    else:
-        _matmul_f32_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 32))](a, b, c, M, N, K, *strides, BLOCK_M=16,
-                                                                       BLOCK_N=32, BLOCK_K=8, num_warps=4)
+        return _gemv(a, b, c, M, N, K, 1, *a.stride(), 0, *b.stride(), 0, N, 0, False)
+    _matmul_f32_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 32))](a, b, c, M, N, K, a.stride(0), a.stride(1),
+                                                                   b.stride(0), b.stride(1), BLOCK_M=16,
+                                                                   BLOCK_N=32, BLOCK_K=8, num_warps=4)
     return c
+
+
+def heads_matmul_f32(a, b, out_dtype=torch.float32, bf16_values=False):  # a [M, H, K], b [H, K, N] -> [M, H, N]
+    """Per head h, a[:, h] @ b[h] summed in float64 and rounded once to float32 (reference: quant.matmul_f32
+    per head), then to bf16 values with bf16_values (exact in a bf16 out_dtype): the absorbed MLA's
+    q^C W^UK (b = W^UK [H, N, C]) and o W^UV^T (b = W^UV [H, V, C] transposed, a view) for a decode
+    step's few rows (up to GEMV_ROWS), float32 or bf16 operands (any strides), bf16 read as stored."""
+    if a.dim() != 3 or b.dim() != 3 or a.shape[1:] != (b.shape[0], b.shape[1]):
+        raise ValueError(f"heads_matmul_f32: [M, H, K] @ [H, K, N] expected, got {tuple(a.shape)} @ {tuple(b.shape)}")
+    if {a.dtype, b.dtype} - {torch.float32, torch.bfloat16} or out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"heads_matmul_f32: float32 or bf16 expected, got {a.dtype}, {b.dtype} -> {out_dtype}")
+    if out_dtype == torch.bfloat16 and not bf16_values:
+        raise ValueError("heads_matmul_f32: a bf16 output holds the bf16 rounding: bf16_values=True")
+    (M, H, K), N = a.shape, b.shape[2]
+    if M > GEMV_ROWS or K > 1024:
+        raise ValueError(f"heads_matmul_f32: up to {GEMV_ROWS} rows and K <= 1024 (a decode step), got {M} and {K}")
+    c = torch.empty(M, H, N, dtype=out_dtype, device=a.device)
+    if c.numel() == 0 or K == 0:
+        return c.zero_()
+    (sam, sah, sak), (sbh, sbk, sbn), (scm, sch, _) = a.stride(), b.stride(), c.stride()
+    return _gemv(a, b, c, M, N, K, H, sam, sak, sah, sbk, sbn, sbh, scm, sch, bf16_values)
 
 
 # -----------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, bf16_values=False, arch=Non
 
 rope, bf16_round, rms_norm, RMS_NORM_MAX = _k.rope, _k.bf16_round, _k.rms_norm, _k.RMS_NORM_MAX   # fp32: all the same
 add_rms_norm = _k.add_rms_norm
-matmul_f32 = _k.matmul_f32                      # float32 / bf16 operands, float64 sums: nothing differs by architecture
+matmul_f32, heads_matmul_f32, GEMV_ROWS = _k.matmul_f32, _k.heads_matmul_f32, _k.GEMV_ROWS   # fp32 / bf16 in, float64 sums: the same on every arch
 gate_topk, route, moe_combine, ROUTE_MAX = _k.gate_topk, _k.route, _k.moe_combine, _k.ROUTE_MAX      # integers and fp32
 
 

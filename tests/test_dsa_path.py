@@ -33,13 +33,15 @@ def ckpt(tmp_path_factory):
 
 
 def fused_ops():
-    # on a GPU the default table already uses the kernels; on the CPU only the DSA ops and the blocks' add and
-    # norm are swapped to the interpreted kernels (the GEMMs stay plain torch: the interpreter's FP8 casts are
-    # defective)
+    # on a GPU the default table already uses the kernels; on the CPU only the DSA ops, the absorbed
+    # attention's per-head GEMVs and the blocks' add and norm are swapped to the interpreted kernels (the
+    # FP8 GEMMs stay plain torch: the interpreter's FP8 casts are defective)
     if HAS_CUDA:
         return backend_torch.torch_ops(DEV)
     ops = backend_torch.torch_ops(DEV, kernels=False, dsa=kernels_cuda)
-    return dataclasses.replace(ops, add_norm=partial(backend_torch.add_norm, kern=kernels_cuda))
+    return dataclasses.replace(ops, add_norm=partial(backend_torch.add_norm, kern=kernels_cuda),
+                               latent_attention=partial(backend_torch.latent_attention, dsa=kernels_cuda,
+                                                        kern=kernels_cuda))
 
 
 def fused_model(ckpt, ops=None, **kw):

@@ -257,6 +257,35 @@ def test_matmul_f32(M, K, N, bf16, layout, strided_a, seed):
         kernels_cuda.matmul_f32(got[:, :1].to(torch.float16), b[:1])
 
 
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 5), st.sampled_from([1, 7, 128, 512]), st.integers(1, 150),
+       st.sampled_from(["W^UK [H, K, N]", "W^UV [H, N, K] transposed"]), st.booleans(), st.booleans(), st.integers(0, 2 ** 31))
+def test_heads_matmul_f32(M, H, K, N, layout, bf16, official, seed):
+    """The absorbed MLA's per-head products of a decode step (q^C W^UK, o W^UV^T): the float64 oracle's
+    bits rounded to float32, then (official) to bf16 values in a bf16 output, whatever the weight's
+    layout and dtype and the query's strides (a view of [M, H, K + R])."""
+    rng = np.random.default_rng(seed)
+    q = torch.from_numpy((rng.standard_normal((M, H, K + 3)) * 3).astype(np.float32)).to(DEV)[:, :, :K]   # a view
+    W = rng.standard_normal((H, K, N)).astype(np.float32)
+    if bf16:
+        W = W.astype(ml_dtypes.bfloat16).astype(np.float32)                # bf16 values, read as bf16
+    want = np.einsum("mhk,hkn->mhn", q.cpu().numpy().astype(np.float64), W.astype(np.float64)).astype(np.float32)
+    dt = torch.bfloat16 if bf16 else torch.float32
+    b = torch.from_numpy(W).to(DEV).to(dt) if layout.startswith("W^UK") else \
+        torch.from_numpy(np.ascontiguousarray(W.transpose(0, 2, 1))).to(DEV).to(dt).transpose(1, 2)
+    out = torch.bfloat16 if official else torch.float32
+    got = kernels_cuda.heads_matmul_f32(q, b, out_dtype=out, bf16_values=official)
+    assert got.dtype == out and got.shape == (M, H, N)
+    if official:
+        want = want.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(got.float().cpu().numpy().view(np.uint32), want.view(np.uint32))
+    for bad in ((q, torch.zeros(H, K + 1, N, device=DEV)), (torch.zeros(5, H, K, device=DEV), b), (q.half(), b)):
+        with pytest.raises(ValueError, match="heads_matmul_f32"):                 # shapes, 5 rows, fp16
+            kernels_cuda.heads_matmul_f32(*bad)
+    with pytest.raises(ValueError, match="bf16_values=True"):
+        kernels_cuda.heads_matmul_f32(q, b, out_dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx90a"])
 @settings(max_examples=4)
 @given(st.integers(1, 24), st.integers(1, 130), st.sampled_from([128, 256]), st.integers(0, 2 ** 31))
