@@ -386,10 +386,10 @@ def latent_attention(q_nope, q_pe, latent, sel, p, start_pos, S, args, rnd, *, d
     B, T = q_nope.shape[:2]
     if sel is None and T > 1:
         return dense_prefill(q_nope, q_pe, latent, p, start_pos, S, args, rnd, dt, kern=kern)
-    H, official = args.num_attention_heads, dt == torch.bfloat16
+    H, official = args.num_attention_heads, dt == torch.bfloat16       # official numerics: rnd is bf16_round
     # a decode step's few rows: the per-head GEMVs (float64 sums rounded once, then rnd's rounding, in one
     # launch each, the weights read once); more rows: cuBLAS, in dt (bf16: rounded as rnd)
-    gemv = kern is not None and B * T <= kern.GEMV_ROWS
+    gemv = kern is not None and B * T <= kern.GEMV_ROWS and max(p["W_UK"].shape[1:]) <= 1024
     if gemv:
         qa = kern.heads_matmul_f32(q_nope.reshape(B * T, H, -1), p["W_UK"], out_dtype=dt,
                                    bf16_values=official).reshape(B, T, H, -1)                  # [B, T, H, C]

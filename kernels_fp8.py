@@ -167,21 +167,22 @@ def _block_operands(a_at, b_at, kb, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
 
 
 @triton.jit
-def _tile_span(pid, M, BLOCK_M: tl.constexpr, WHOLE: tl.constexpr):
-    """Tile pid's rows r of M and the rows it reads, r_in, every one inside [0, M), so that its loads need
-    no mask: WHOLE (M >= BLOCK_M): the last tile is moved back to end at row M, over its neighbour's last
-    rows, which both compute (the same bits: an output reads its own row and column only, whichever tile
-    it is in), and the rows stay contiguous; else rows past M read row M - 1, and are never stored."""
+def _tile_span(pid, L, BLOCK: tl.constexpr, WHOLE: tl.constexpr):  # rows (or columns) of tile pid over L of them
+    """The tile's indices r and the indices it reads, r_in, every one inside [0, L), so that its loads need
+    no mask: WHOLE (L >= BLOCK): the last tile is moved back to end at L, over its neighbour's last
+    indices, which both compute and store alike, and r stays contiguous; else indices past L read L - 1,
+    and are never stored. The same bits: an output reads its own row of A and row of B only (that its
+    place inside the tensor core's tile does not change its sum is the GPU's: the ragged-tiles test)."""
     if WHOLE:
-        r = tl.minimum(pid * BLOCK_M, M - BLOCK_M) + tl.arange(0, BLOCK_M)
+        r = tl.minimum(pid * BLOCK, L - BLOCK) + tl.arange(0, BLOCK)
         return r, r
-    r = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    return r, tl.minimum(r, M - 1)
+    r = pid * BLOCK + tl.arange(0, BLOCK)
+    return r, tl.minimum(r, L - 1)
 
 
 @triton.jit
-def _tile_rows(A, B, pid_m, pid_n, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               WHOLE_M: tl.constexpr, WHOLE_N: tl.constexpr):
+def _tile_addresses(A, B, pid_m, pid_n, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, WHOLE_M: tl.constexpr, WHOLE_N: tl.constexpr):
     """A tile's rows rm and columns rn, those it reads (rm_in, rn_in: _tile_span), and the addresses of
     their K block 0 (K is whole 128-blocks always)."""
     rm, rm_in = _tile_span(pid_m, M, BLOCK_M, WHOLE_M)
@@ -199,7 +200,7 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
                      WHOLE_M: tl.constexpr, WHOLE_N: tl.constexpr):
     """Reference: quant.fp8_gemm. A [M, K] fp8 (row-major), B [N, K] fp8 (K contiguous, as stored),
     SA [M, NUM_KB], SB [ceil(N/128), NUM_KB] float32, C [M, N] (ROUND: rounded to bf16 values, C float32).
-    Every tile runs the K loop without masks, its addresses made once (_tile_rows): H200, bench_gemm.py,
+    Every tile runs the K loop without masks, its addresses made once (_tile_addresses): H200, bench_gemm.py,
     M = 2048 / 8192, o 600 / 575 -> 813 / 822 TFLOP/s, mlp_w1 587 / 585 -> 798 / 796 against a loop
     masked by rows and columns (with 4 stages for 3); the same bits."""
     pid = tl.program_id(0)
@@ -209,8 +210,8 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
     size_m = tl.minimum(n_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
     pid_n = (pid % (GROUP_M * n_n)) // size_m
-    rm, rn, rm_in, rn_in, a_at, b_at = _tile_rows(A, B, pid_m, pid_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                  WHOLE_M, WHOLE_N)
+    rm, rn, rm_in, rn_in, a_at, b_at = _tile_addresses(A, B, pid_m, pid_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                       WHOLE_M, WHOLE_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(NUM_KB):
         a, b = _block_operands(a_at, b_at, kb, BLOCK_K, DECODE, FNUZ)
@@ -235,8 +236,8 @@ def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER,
     """P [NUM_KB, M, N] float32 = A_kb B_kb^T, unscaled, for KB_PER consecutive K blocks per program."""
     tile, ks = tl.program_id(0), tl.program_id(1)
     n_n = tl.cdiv(N, BLOCK_N)
-    rm, rn, _, _, a_at, b_at = _tile_rows(A, B, tile // n_n, tile % n_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                          WHOLE_M, WHOLE_N)
+    rm, rn, _, _, a_at, b_at = _tile_addresses(A, B, tile // n_n, tile % n_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                               WHOLE_M, WHOLE_N)
     ok = (rm[:, None] < M) & (rn[None, :] < N)
     for kb in range(ks * KB_PER, tl.minimum(NUM_KB, ks * KB_PER + KB_PER)):
         a, b = _block_operands(a_at, b_at, kb, BLOCK_K, DECODE, FNUZ)
@@ -305,6 +306,8 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
     if bf16_values and out_dtype != torch.float32:
         raise ValueError(f"fp8_gemm: bf16_values writes float32, not {out_dtype}")
     c = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    if c.numel() == 0:                                                 # no rows or no columns: nothing to launch
+        return c
     bm, bn, warps, stages = gemm_config(M, configs)
     if decode:
         a, b = a.view(torch.uint8), b.view(torch.uint8)
@@ -432,7 +435,7 @@ def _matmul_f32_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn,
 
 
 @triton.jit
-def _gemv_f32_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn, scm, sah, sbh, sch,
+def _gemv_f32_kernel(A, B, C, M, N, K, sam, sak, sah, sbk, sbn, sbh, scm, sch,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, ROUND: tl.constexpr):
     """The same numbers for a few rows of a (a decode step): one program per row and BLOCK_N outputs, the
     rows of one weight tile side by side (its bytes come once from memory); per head h (program_id(1))
@@ -457,7 +460,7 @@ def _gemv_f32_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn, scm, sah, sbh, sch,
 
 
 GEMV_ROWS = 4                                          # up to this many rows of a: _gemv_f32_kernel
-GEMV_MAX_K = 32 * 1024                                 # its unrolled K tiles (1024 wide) at most
+GEMV_MAX_K = 32 * 1024                                 # its unrolled K at most (tiles 1024 wide, or 128 for b [K, N])
 
 
 def _gemv(a, b, c, M, N, K, H, sam, sak, sah, sbk, sbn, sbh, scm, sch, bf16_values):  # _gemv_f32_kernel's launch
@@ -469,7 +472,7 @@ def _gemv(a, b, c, M, N, K, H, sam, sak, sah, sbk, sbn, sbh, scm, sch, bf16_valu
     else:
         bk = min(1024, triton.next_power_of_2(K))
         bn = 2 if H * M * triton.cdiv(N, 2) >= 2 * sm_count(a.device) else 1       # enough programs to stream
-    _gemv_f32_kernel[(M * triton.cdiv(N, bn), H)](a, b, c, M, N, K, sam, sak, sbk, sbn, scm, sah, sbh, sch,
+    _gemv_f32_kernel[(M * triton.cdiv(N, bn), H)](a, b, c, M, N, K, sam, sak, sah, sbk, sbn, sbh, scm, sch,
                                                   BLOCK_N=bn, BLOCK_K=bk, K_STEPS=triton.cdiv(K, bk),
                                                   ROUND=bf16_values, num_warps=4)
     return c

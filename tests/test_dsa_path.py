@@ -33,9 +33,10 @@ def ckpt(tmp_path_factory):
 
 
 def fused_ops():
-    # on a GPU the default table already uses the kernels; on the CPU only the DSA ops, the absorbed
-    # attention's per-head GEMVs and the blocks' add and norm are swapped to the interpreted kernels (the
-    # FP8 GEMMs stay plain torch: the interpreter's FP8 casts are defective)
+    # on a GPU the default table already uses the kernels; on the CPU only the DSA ops, the latent attention
+    # (its per-head GEMVs, and a dense prefill chunk's wkv_b expansion: one act_quant and FP8 GEMM) and the
+    # blocks' add and norm are swapped to the interpreted kernels; the model's other FP8 GEMMs stay plain
+    # torch (the interpreter's FP8 casts are defective: spec/kernels.md §4.3)
     if HAS_CUDA:
         return backend_torch.torch_ops(DEV)
     ops = backend_torch.torch_ops(DEV, kernels=False, dsa=kernels_cuda)

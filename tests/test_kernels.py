@@ -1,7 +1,8 @@
 """Every Triton kernel against its NumPy reference, with hypothesis-drawn shapes and values: on a GPU
 for real (bit for bit), on the CPU under TRITON_INTERPRET=1 (set in conftest.py), where the
 interpreter's fp32->fp8 cast is defective (spec/kernels.md §4.3: about 1.3% of values come out a
-factor of two off, exactly): there, and only there, codes may differ by exactly that factor."""
+factor of two off, exactly): there, and only there, codes may differ by exactly that factor. In the
+interpreter every kernel's loads and stores are also held inside its tensor arguments (bounds.py)."""
 from functools import partial
 from types import SimpleNamespace
 
@@ -16,10 +17,29 @@ pytest.importorskip("triton")
 import kernels_cuda
 import kernels_rocm
 import quant
+from bounds import loads_and_stores_in_bounds  # noqa: F401  (autouse: no address outside a kernel's arguments)
 from conftest import HAS_CUDA, gpu
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 INTERPRETED = not HAS_CUDA
+
+
+def test_out_of_bounds_loads_are_caught():  # bounds.py itself: a load one element past a tensor fails
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(X, Y, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(Y + i, tl.load(X + i, mask=i < n), mask=i < 8)
+
+    x, y = torch.arange(8.0, device=DEV), torch.zeros(8, device=DEV)
+    copy[(1,)](x, y, 8, BLOCK=16)                                         # the masked load: within bounds
+    assert torch.equal(y, x)
+    if INTERPRETED:
+        from triton.runtime.errors import InterpreterError                # (the interpreter wraps the kernel's errors)
+        with pytest.raises(InterpreterError, match="copy: 1 load addresses outside"):
+            copy[(1,)](x, y, 9, BLOCK=16)                                 # one element past x
 
 
 def t8(a, dtype=torch.float8_e4m3fn):  # ml_dtypes FP8 array -> torch FP8 tensor on DEV
@@ -184,14 +204,16 @@ def test_fp8_gemm_split_k(M, N, kblocks, split_k, decode, seed):
                                   kernels_cuda.fp8_gemm(*args, decode=decode, split_k=1).view(torch.int16).cpu().numpy())
 
 
-@settings(max_examples=6, deadline=None)
-@given(st.sampled_from([(5, 40), (16, 64), (32, 128), (128, 256), (384, 128)]), st.integers(1, 3), st.booleans(),
-       st.integers(0, 2 ** 31))
-def test_fp8_gemm_ragged_tiles_give_the_whole_tiles_bits(MN, kblocks, more_rows, seed):
+@pytest.mark.parametrize("MN", [(5, 40), (16, 64), (32, 128), (128, 256), (384, 128)])
+@pytest.mark.parametrize("more_rows", [True, False])
+@settings(max_examples=1, deadline=None)
+@given(st.integers(1, 3), st.integers(0, 2 ** 31))
+def test_fp8_gemm_ragged_tiles_give_the_whole_tiles_bits(MN, more_rows, kblocks, seed):
     """A GEMM of whole tiles (every tile configuration: 16 x 64, 32 x 128, 64 x 128, 128 x 128) against
-    the same GEMM with one row or column more, whose last tile is moved back over its neighbour (or, for
-    fewer rows or columns than a tile, clamped to the last: 5 x 40): the shared outputs are the same
-    bits, and the oracle's values."""
+    the same GEMM with one row or column more, whose last tile is moved back over its neighbour (its
+    columns; its rows where M + 1 rows fill a tile: not the 16-row tile's, which serves up to 16), or
+    clamped to the last row or column where there are fewer than a tile (5 x 40): the shared outputs
+    are the same bits, and the oracle's values; no load or store outside the operands (interpreter)."""
     M, N = MN
     rng = np.random.default_rng(seed)
     K = 128 * kblocks
@@ -205,6 +227,14 @@ def test_fp8_gemm_ragged_tiles_give_the_whole_tiles_bits(MN, kblocks, more_rows,
     np.testing.assert_array_equal(whole.view(np.uint32), ragged.view(np.uint32))
     ref = quant.fp8_gemm(a[:M], sa[:M], b[:N], sb[:-(-N // 128)])
     assert_fp8_gemm_close(whole, ref, a[:M], sa[:M], b[:N], sb[:-(-N // 128)])
+
+
+def test_fp8_gemm_of_no_rows_or_columns_is_empty():  # (K long enough for the split-K choice: it divided by 0 tiles)
+    K = 4096
+    for M, N in ((0, 256), (3, 0)):
+        a, b = torch.zeros(M, K, device=DEV).to(torch.float8_e4m3fn), torch.zeros(N, K, device=DEV).to(torch.float8_e4m3fn)
+        sa, sb = torch.ones(M, K // 128, device=DEV), torch.ones(-(-N // 128), K // 128, device=DEV)
+        assert kernels_cuda.fp8_gemm(a, sa, b, sb).shape == (M, N)
 
 
 @settings(max_examples=5)
@@ -259,11 +289,14 @@ def test_matmul_f32(M, K, N, bf16, layout, strided_a, seed):
 
 @settings(max_examples=10, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 5), st.sampled_from([1, 7, 128, 512]), st.integers(1, 150),
-       st.sampled_from(["W^UK [H, K, N]", "W^UV [H, N, K] transposed"]), st.booleans(), st.booleans(), st.integers(0, 2 ** 31))
-def test_heads_matmul_f32(M, H, K, N, layout, bf16, official, seed):
+       st.sampled_from(["W^UK [H, K, N]", "W^UV [H, N, K] transposed"]), st.booleans(),
+       st.sampled_from([(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)]), st.integers(0, 2 ** 31))
+def test_heads_matmul_f32(M, H, K, N, layout, bf16, out_official, seed):
     """The absorbed MLA's per-head products of a decode step (q^C W^UK, o W^UV^T): the float64 oracle's
-    bits rounded to float32, then (official) to bf16 values in a bf16 output, whatever the weight's
-    layout and dtype and the query's strides (a view of [M, H, K + R])."""
+    bits rounded to float32, then (official) to bf16 values, in a float32 output (W^UV's, the model's
+    next input) or a bf16 one (q^C W^UK's, the attention kernel's operand), whatever the weight's layout
+    and dtype and the query's strides (a view of [M, H, K + R])."""
+    out, official = out_official
     rng = np.random.default_rng(seed)
     q = torch.from_numpy((rng.standard_normal((M, H, K + 3)) * 3).astype(np.float32)).to(DEV)[:, :, :K]   # a view
     W = rng.standard_normal((H, K, N)).astype(np.float32)
@@ -273,7 +306,6 @@ def test_heads_matmul_f32(M, H, K, N, layout, bf16, official, seed):
     dt = torch.bfloat16 if bf16 else torch.float32
     b = torch.from_numpy(W).to(DEV).to(dt) if layout.startswith("W^UK") else \
         torch.from_numpy(np.ascontiguousarray(W.transpose(0, 2, 1))).to(DEV).to(dt).transpose(1, 2)
-    out = torch.bfloat16 if official else torch.float32
     got = kernels_cuda.heads_matmul_f32(q, b, out_dtype=out, bf16_values=official)
     assert got.dtype == out and got.shape == (M, H, N)
     if official:

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 import kernels_v4  # noqa: E402
 import mhc  # noqa: E402
 import quant  # noqa: E402
+from bounds import loads_and_stores_in_bounds  # noqa: E402, F401  (autouse: no address outside a kernel's arguments)
 from conftest import HAS_CUDA  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
