@@ -158,9 +158,17 @@ def act_quant(x, fp8=FP8, fp8_max=FP8_MAX, block_m=None):
 # Block-scaled FP8 GEMM: C[M, N] = sum over K blocks of (A_kb B_kb^T) * sa[m, kb] * sb[n // 128, kb]
 
 @triton.jit
-def _block_operands(a_at, b_at, kb, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, FNUZ: tl.constexpr):
-    """K block kb's [BLOCK_M, BLOCK_K] and [BLOCK_K, BLOCK_N] operands, from the addresses of block 0's."""
-    a, b = tl.load(a_at + kb * BLOCK_K), tl.load(b_at + kb * BLOCK_K)
+def _block_operands(a_at, b_at, kb, a_ok, MASK_A: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
+                    FNUZ: tl.constexpr):
+    """K block kb's [BLOCK_M, BLOCK_K] and [BLOCK_K, BLOCK_N] operands, from the addresses of block 0's;
+    MASK_A: only A's rows a_ok [BLOCK_M, 1] loaded, the others read as 0. (A tile of few live rows loads
+    only those: H200, batch-1 decode, the experts' GEMMs took 134 us reading row 0 for each padding row,
+    98 us masked; mlp_w1 at M = 1 59 against 48 us.)"""
+    if MASK_A:
+        a = tl.load(a_at + kb * BLOCK_K, mask=a_ok, other=0 if DECODE else 0.0)    # (bytes, or fp8 values)
+    else:
+        a = tl.load(a_at + kb * BLOCK_K)
+    b = tl.load(b_at + kb * BLOCK_K)
     if DECODE:                           # no FP8 hardware: decode bytes to fp16 (exact for every e4m3 value)
         a, b = _e4m3_decode(a, FNUZ).to(tl.float16), _e4m3_decode(b, FNUZ).to(tl.float16)
     return a, b
@@ -170,8 +178,8 @@ def _block_operands(a_at, b_at, kb, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
 def _tile_span(pid, L, BLOCK: tl.constexpr, WHOLE: tl.constexpr):  # rows (or columns) of tile pid over L of them
     """The tile's indices r and the indices it reads, r_in, every one inside [0, L), so that its loads need
     no mask: WHOLE (L >= BLOCK): the last tile is moved back to end at L, over its neighbour's last
-    indices, which both compute and store alike, and r stays contiguous; else indices past L read L - 1,
-    and are never stored. The same bits: an output reads its own row of A and row of B only (that its
+    indices, which both compute and store alike, and r stays contiguous; else indices past L address
+    L - 1, are masked in A's loads (_block_operands) and are never stored. The same bits: an output reads its own row of A and row of B only (that its
     place inside the tensor core's tile does not change its sum is the GPU's: the ragged-tiles test)."""
     if WHOLE:
         r = tl.minimum(pid * BLOCK, L - BLOCK) + tl.arange(0, BLOCK)
@@ -183,14 +191,15 @@ def _tile_span(pid, L, BLOCK: tl.constexpr, WHOLE: tl.constexpr):  # rows (or co
 @triton.jit
 def _tile_addresses(A, B, pid_m, pid_n, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, WHOLE_M: tl.constexpr, WHOLE_N: tl.constexpr):
-    """A tile's rows rm and columns rn, those it reads (rm_in, rn_in: _tile_span), and the addresses of
-    their K block 0 (K is whole 128-blocks always)."""
+    """A tile's rows rm and columns rn, those it reads (rm_in, rn_in: _tile_span), the addresses of their
+    K block 0 (K is whole 128-blocks always), and the mask of A's rows (needed when not WHOLE_M)."""
     rm, rm_in = _tile_span(pid_m, M, BLOCK_M, WHOLE_M)
     rn, rn_in = _tile_span(pid_n, N, BLOCK_N, WHOLE_N)
     k = tl.arange(0, BLOCK_K)
     a_at = A + rm_in[:, None].to(tl.int64) * K + k[None, :]             # [BLOCK_M, BLOCK_K] (int64: long prompts)
     b_at = B + rn_in[None, :] * K + k[:, None]                          # [BLOCK_K, BLOCK_N]
-    return rm, rn, rm_in, rn_in, a_at, b_at
+    a_ok = rm[:, None] < M                                             # a tile of few rows loads only those
+    return rm, rn, rm_in, rn_in, a_at, b_at, a_ok
 
 
 @triton.jit
@@ -200,9 +209,10 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
                      WHOLE_M: tl.constexpr, WHOLE_N: tl.constexpr):
     """Reference: quant.fp8_gemm. A [M, K] fp8 (row-major), B [N, K] fp8 (K contiguous, as stored),
     SA [M, NUM_KB], SB [ceil(N/128), NUM_KB] float32, C [M, N] (ROUND: rounded to bf16 values, C float32).
-    Every tile runs the K loop without masks, its addresses made once (_tile_addresses): H200, bench_gemm.py,
-    M = 2048 / 8192, o 600 / 575 -> 813 / 822 TFLOP/s, mlp_w1 587 / 585 -> 798 / 796 against a loop
-    masked by rows and columns (with 4 stages for 3); the same bits."""
+    Every tile runs the K loop without masks (but A's rows in a GEMM of fewer than BLOCK_M), its addresses
+    made once (_tile_addresses): H200, bench_gemm.py, M = 2048 / 8192, o 600 / 575 -> 813 / 822 TFLOP/s,
+    mlp_w1 587 / 585 -> 798 / 796 against a loop masked by rows and columns (with 4 stages for 3); the
+    same bits."""
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * n_n)                                     # grouped order: reuse B tiles in L2
@@ -210,11 +220,11 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
     size_m = tl.minimum(n_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
     pid_n = (pid % (GROUP_M * n_n)) // size_m
-    rm, rn, rm_in, rn_in, a_at, b_at = _tile_addresses(A, B, pid_m, pid_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                       WHOLE_M, WHOLE_N)
+    rm, rn, rm_in, rn_in, a_at, b_at, a_ok = _tile_addresses(A, B, pid_m, pid_n, M, N, K, BLOCK_M, BLOCK_N,
+                                                             BLOCK_K, WHOLE_M, WHOLE_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(NUM_KB):
-        a, b = _block_operands(a_at, b_at, kb, BLOCK_K, DECODE, FNUZ)
+        a, b = _block_operands(a_at, b_at, kb, a_ok, not WHOLE_M, BLOCK_K, DECODE, FNUZ)
         partial = tl.dot(a, b, out_dtype=tl.float32)                   # A_kb B_kb^T in a fresh fp32 accumulator
         sa = tl.load(SA + rm_in * NUM_KB + kb)
         sb = tl.load(SB + (rn_in // 128) * NUM_KB + kb)
@@ -236,11 +246,11 @@ def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER,
     """P [NUM_KB, M, N] float32 = A_kb B_kb^T, unscaled, for KB_PER consecutive K blocks per program."""
     tile, ks = tl.program_id(0), tl.program_id(1)
     n_n = tl.cdiv(N, BLOCK_N)
-    rm, rn, _, _, a_at, b_at = _tile_addresses(A, B, tile // n_n, tile % n_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                               WHOLE_M, WHOLE_N)
+    rm, rn, _, _, a_at, b_at, a_ok = _tile_addresses(A, B, tile // n_n, tile % n_n, M, N, K, BLOCK_M, BLOCK_N,
+                                                     BLOCK_K, WHOLE_M, WHOLE_N)
     ok = (rm[:, None] < M) & (rn[None, :] < N)
     for kb in range(ks * KB_PER, tl.minimum(NUM_KB, ks * KB_PER + KB_PER)):
-        a, b = _block_operands(a_at, b_at, kb, BLOCK_K, DECODE, FNUZ)
+        a, b = _block_operands(a_at, b_at, kb, a_ok, not WHOLE_M, BLOCK_K, DECODE, FNUZ)
         partial = tl.dot(a, b, out_dtype=tl.float32)
         tl.store(P + (kb * M + rm[:, None]).to(tl.int64) * N + rn[None, :], partial, mask=ok)
 
@@ -356,15 +366,16 @@ def _moe_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, OUT_AT, N, K, NUM_KB,
         p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row = tl.load(ROWS + p)
         valid = row >= 0
-        row = tl.where(valid, p if SELF_ROWS else row, 0)              # padding reads row 0 and is never stored
+        row = tl.where(valid, p if SELF_ROWS else row, 0)              # padding: row 0's address, masked, never stored
+        a_ok = valid[:, None]
         rn, rn_in = _tile_span(pid_n, N, BLOCK_N, WHOLE_N)
         k = tl.arange(0, BLOCK_K)
         a_at = A + row[:, None].to(tl.int64) * K + k[None, :]          # gathered rows, K block 0
         b_at = B + e.to(tl.int64) * N * K + rn_in[None, :] * K + k[:, None]
         sb_at = SB + e.to(tl.int64) * tl.cdiv(N, 128) * NUM_KB + (rn_in // 128) * NUM_KB
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(NUM_KB):                                       # every load whole: no masks in the loop
-            a, b = _block_operands(a_at, b_at, kb, BLOCK_K, DECODE, FNUZ)
+        for kb in range(NUM_KB):                                       # no masks but the live rows'
+            a, b = _block_operands(a_at, b_at, kb, a_ok, True, BLOCK_K, DECODE, FNUZ)
             partial = tl.dot(a, b, out_dtype=tl.float32)
             sa = tl.load(SA + row * NUM_KB + kb)
             sb = tl.load(sb_at + kb)
