@@ -375,7 +375,7 @@ def test_benchmark_tables_render_from_the_stored_runs():
     import json
     sys.path.insert(0, str(ROOT / "bench"))
     import bench_gemm
-    d = json.loads((ROOT / "bench" / "gemm_h200_2026-12-03.json").read_text())   # (2026-11-30: the run before)
+    d = json.loads((ROOT / "bench" / "gemm_h200_2026-12-03_2.json").read_text())   # (earlier runs beside it)
     lines = bench_gemm.render(d["meta"], d["rows"])
     assert len(lines) == 4 + len(d["rows"]) and "NVIDIA H200" in lines[0]
     results = (ROOT / "bench" / "RESULTS.md").read_text()
