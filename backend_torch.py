@@ -388,7 +388,8 @@ def latent_attention(q_nope, q_pe, latent, sel, p, start_pos, S, args, rnd, *, d
         return dense_prefill(q_nope, q_pe, latent, p, start_pos, S, args, rnd, dt, kern=kern)
     H, official = args.num_attention_heads, dt == torch.bfloat16       # official numerics: rnd is bf16_round
     # a decode step's few rows: the per-head GEMVs (float64 sums rounded once, then rnd's rounding, in one
-    # launch each, the weights read once); more rows: cuBLAS, in dt (bf16: rounded as rnd)
+    # launch each; faster than cuBLAS at one row, slower at four, kept there for these numbers); more
+    # rows: cuBLAS, in dt (bf16: rounded as rnd)
     gemv = kern is not None and B * T <= kern.GEMV_ROWS and max(p["W_UK"].shape[1:]) <= 1024
     if gemv:
         qa = kern.heads_matmul_f32(q_nope.reshape(B * T, H, -1), p["W_UK"], out_dtype=dt,

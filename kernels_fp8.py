@@ -179,7 +179,8 @@ def _tile_span(pid, L, BLOCK: tl.constexpr, WHOLE: tl.constexpr):  # rows (or co
     """The tile's indices r and the indices it reads, r_in, every one inside [0, L), so that its loads need
     no mask: WHOLE (L >= BLOCK): the last tile is moved back to end at L, over its neighbour's last
     indices, which both compute and store alike, and r stays contiguous; else indices past L address
-    L - 1, are masked in A's loads (_block_operands) and are never stored. The same bits: an output reads its own row of A and row of B only (that its
+    L - 1 and are never stored (A's rows there are masked in its loads, _block_operands; B's columns
+    there read row L - 1). The same bits: an output reads its own row of A and row of B only (that its
     place inside the tensor core's tile does not change its sum is the GPU's: the ragged-tiles test)."""
     if WHOLE:
         r = tl.minimum(pid * BLOCK, L - BLOCK) + tl.arange(0, BLOCK)

@@ -213,7 +213,8 @@ def test_fp8_gemm_ragged_tiles_give_the_whole_tiles_bits(MN, more_rows, kblocks,
     the same GEMM with one row or column more, whose last tile is moved back over its neighbour (its
     columns; its rows where M + 1 rows fill a tile: not the 16-row tile's, which serves up to 16), or
     clamped to the last row or column where there are fewer than a tile (5 x 40): the shared outputs
-    are the same bits, and the oracle's values; no load or store outside the operands (interpreter)."""
+    are the same bits, and both GEMMs the oracle's values (the ragged one's extra row or column too);
+    no load or store outside the operands (interpreter)."""
     M, N = MN
     rng = np.random.default_rng(seed)
     K = 128 * kblocks
@@ -223,10 +224,11 @@ def test_fp8_gemm_ragged_tiles_give_the_whole_tiles_bits(MN, more_rows, kblocks,
     gemm = lambda m, n: kernels_cuda.fp8_gemm(t8(a[:m]), torch.from_numpy(sa[:m]).to(DEV), t8(b[:n]),  # noqa: E731
                                               torch.from_numpy(np.ascontiguousarray(sb[:-(-n // 128)])).to(DEV),
                                               out_dtype=torch.float32).cpu().numpy()
-    whole, ragged = gemm(M, N), gemm(m, n)[:M, :N]
-    np.testing.assert_array_equal(whole.view(np.uint32), ragged.view(np.uint32))
-    ref = quant.fp8_gemm(a[:M], sa[:M], b[:N], sb[:-(-N // 128)])
-    assert_fp8_gemm_close(whole, ref, a[:M], sa[:M], b[:N], sb[:-(-N // 128)])
+    whole, ragged = gemm(M, N), gemm(m, n)
+    np.testing.assert_array_equal(whole.view(np.uint32), ragged[:M, :N].view(np.uint32))
+    for (i, j), got in (((M, N), whole), ((m, n), ragged)):
+        operands = a[:i], sa[:i], b[:j], sb[:-(-j // 128)]
+        assert_fp8_gemm_close(got, quant.fp8_gemm(*operands), *operands)
 
 
 def test_fp8_gemm_of_no_rows_or_columns_is_empty():  # (K long enough for the split-K choice: it divided by 0 tiles)
@@ -288,7 +290,7 @@ def test_matmul_f32(M, K, N, bf16, layout, strided_a, seed):
 
 
 @settings(max_examples=10, deadline=None)
-@given(st.integers(1, 4), st.integers(1, 5), st.sampled_from([1, 7, 128, 512]), st.integers(1, 150),
+@given(st.integers(1, 4), st.integers(1, 5), st.sampled_from([1, 7, 128, 200, 512]), st.integers(1, 150),
        st.sampled_from(["W^UK [H, K, N]", "W^UV [H, N, K] transposed"]), st.booleans(),
        st.sampled_from([(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)]), st.integers(0, 2 ** 31))
 def test_heads_matmul_f32(M, H, K, N, layout, bf16, out_official, seed):
