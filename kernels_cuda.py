@@ -64,7 +64,7 @@ import quant
 from kernels_fp8 import (FP8, FP8_MAX, GEMV_ROWS, MOE_BLOCK_M, RMS_NORM_MAX, act_quant, add_rms_norm,  # noqa: F401
                          bf16_round, fp8_gemm, heads_matmul_f32, matmul_f32, moe_gemm, rms_norm, sm_count,
                          swiglu_quant)
-from kernels_fp8 import _bf16_round, _e4m3_decode, _interpreted, _ue8m0_quant   # the DSA kernels' helpers
+from kernels_fp8 import _await_inputs, _bf16_round, _e4m3_decode, _interpreted, _ue8m0_quant, pdl  # the DSA kernels' helpers
 from kernels_moe import ROUTE_MAX, gate_topk, moe_combine, route  # noqa: F401  the routed experts' bookkeeping
 from kernels_v4 import (compress_keys, fp4_gemm, fp4_moe_gemm, hc_mix_pre, hc_post, index_scores_v4,  # noqa: F401  V4
                        sparse_attention)
@@ -116,9 +116,10 @@ def _rope(x, cos, sin, ROWS: tl.constexpr, D: tl.constexpr, R: tl.constexpr, INT
 
 @triton.jit
 def _rope_kernel(X, COS, SIN, Y, ROWS, H, T, sb, st, sh, R: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Reference: rope.rope_interleaved / rope.rope_half_split. X [B, T, H, R] with strides (sb, st, sh, 1),
     COS, SIN [T, R/2] -> Y [B, T, H, R] contiguous float32. BLOCK rows per program."""
+    _await_inputs(PDL)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows[:, None] < ROWS
     bi, t, h = rows // (T * H), (rows // H) % T, rows % H
@@ -141,7 +142,7 @@ def rope(x, cos, sin, interleaved):
     block = max(1, min(64, 4096 // R))
     _rope_kernel[(triton.cdiv(rows, block),)](x, cos.float().contiguous(), sin.float().contiguous(), y, rows, H, T,
                                               *x.stride()[:3], R=R, INTERLEAVED=interleaved, BLOCK=block,
-                                              num_warps=4, enable_fp_fusion=False)
+                                              num_warps=4, enable_fp_fusion=False, **pdl())
     return y
 
 
@@ -217,7 +218,8 @@ def _index_prep_keys(KR, COS, SIN, LNW, LNB, HS, K8, KS, POS, r0, BT, T, CAP, ep
 
 @triton.jit
 def _index_prep_kernel(Q, KR, XW, COS, SIN, LNW, LNB, HS, Q8, QS, WQ, K8, KS, POS, BT, T, J, CAP, eps, c_j, c_d,
-                       D: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, FP8_MAX: tl.constexpr):
+                       D: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, FP8_MAX: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Reference: indexer.index_prep_ref (indexer_forward's steps from q = wq_b(qr) and k = wk(x) to
     the scores' inputs).
     Q [BT, J, D] (bf16 values), KR [BT, D] (bf16 values), XW [BT, J] = x weights_proj^T (fp32), COS, SIN
@@ -225,6 +227,7 @@ def _index_prep_kernel(Q, KR, XW, COS, SIN, LNW, LNB, HS, Q8, QS, WQ, K8, KS, PO
     the q scale and D^-0.5 folded in, as head_weights_ref); the keys' codes and scales into the cache
     K8 [B, CAP, D], KS [B, CAP] at positions POS + t. Programs: one per (token, HB heads): RoPE,
     rotation, FP8, weights; then one per KB tokens' keys: LayerNorm, RoPE, rotation, FP8, cache."""
+    _await_inputs(PDL)
     pid = tl.program_id(0)
     hbs = tl.cdiv(J, HB)
     if pid < BT * hbs:
@@ -259,7 +262,7 @@ def index_prep(q, k, xw, cos, sin, ln_w, ln_b, k_cache, k_scale_cache, start_pos
                              ln_b.float().contiguous(), _hadamard_scale(D, dev), q8, qs, w, k_cache, k_scale_cache,
                              _pos_tensor(start_pos, dev), B * T, T, J, k_cache.shape[1], eps,
                              float(np.float32(J ** -0.5)), float(np.float32(D ** -0.5)), D=D, R=R, HB=hb, KB=kb,
-                             FP8_MAX=fp8_max, num_warps=4, enable_fp_fusion=False)
+                             FP8_MAX=fp8_max, num_warps=4, enable_fp_fusion=False, **pdl())
     return q8, w
 
 
@@ -274,13 +277,14 @@ def _hadamard_scale(D, device):  # D^-0.5 as a float64 [1] on the device (as ind
 @triton.jit
 def _index_scores_kernel(Q, W, K, KS, OUT, POS, T, S, J, SPLIT,
                          BQ: tl.constexpr, JP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         IEEE: tl.constexpr, DECODE: tl.constexpr, FNUZ: tl.constexpr):
+                         IEEE: tl.constexpr, DECODE: tl.constexpr, FNUZ: tl.constexpr, PDL: tl.constexpr = False):
     """Reference: indexer.index_scores_causal_ref (index_scores_ref with -inf at each query's future
     keys). One program per (sequence, block of BQ queries, split of the keys): the queries' rows q [BQ * JP, D] (every head
     of each query) stay in registers while key blocks stream past. Keys on the MMA's M side (as
     DeepGEMM): logits [BLOCK_N, BQ * JP] in one MMA, ReLU per head, the signed head weights, the sum
     over each query's heads (within a thread's registers), then the key scale (> 0, so it commutes
     with the ReLU). Key blocks after the block's last query are not computed, only written -inf."""
+    _await_inputs(PDL)
     b, sp = tl.program_id(0), tl.program_id(2)
     qb = tl.num_programs(1) - 1 - tl.program_id(1)                     # longest rows first: a shorter tail
     start_pos = tl.load(POS).to(tl.int32)
@@ -360,7 +364,7 @@ def index_scores(q, w, k, k_scale, start_pos, block_n=None, num_warps=None, num_
     grid = (B, nq, triton.cdiv(S, split))
     _index_scores_kernel[grid](q, w, k, k_scale, out, _pos_tensor(start_pos, q.device), T, S, J, split,
                                BQ=bq, JP=jp, D=D, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-                               DECODE=decode, FNUZ=fnuz, num_warps=num_warps, num_stages=num_stages)
+                               DECODE=decode, FNUZ=fnuz, num_warps=num_warps, num_stages=num_stages, **pdl())
     return out
 
 
@@ -388,7 +392,7 @@ def _bucket(hist, need):
 
 @triton.jit
 def _topk_list_kernel(SCORES, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
-                      STAGES: tl.constexpr, DIGITS: tl.constexpr):
+                      STAGES: tl.constexpr, DIGITS: tl.constexpr, PDL: tl.constexpr = False):
     """Top-k, step 1, for rows of at least 4 * SAMPLE causal keys (others write count -1). One program
     per (query row, segment of the row): a threshold from a strided sample of SAMPLE scores (its
     r-th largest key by radix select in registers, r safely above the k-th largest's expected rank;
@@ -398,6 +402,7 @@ def _topk_list_kernel(SCORES, CAND, CSCORE, CNT, POS, T, S, K, CAPS, BLOCK: tl.c
     keys at or above it, listed in index order
     in CAND[row, segment] (at most CAPS) with their scores in CSCORE (so that step 2 reads them
     contiguously), and their count in CNT[row, segment]."""
+    _await_inputs(PDL)
     row, seg, segs = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     n = tl.minimum(tl.load(POS).to(tl.int32) + row % T + 1, S)            # causal keys of this query
     kk = tl.minimum(K, n)
@@ -629,7 +634,8 @@ def _select_streamed(SCORES, CAND, CSCORE, CNT, SMALL, row, S, m, kk, listed, ds
 
 @triton.jit
 def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, SMALL, POS, T, S, K, CAPS, BLOCK: tl.constexpr, SEGS: tl.constexpr,
-                 LISTS: tl.constexpr, NS: tl.constexpr, REGS: tl.constexpr, STRIDE: tl.constexpr):
+                 LISTS: tl.constexpr, NS: tl.constexpr, REGS: tl.constexpr, STRIDE: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """Reference: indexer.topk_indices_ref (topk_select_ref as indices). Top-k, step 2, one program per
     query row, over its step-1 lists or its whole row (_row_keys; LISTS = False: step 1 did not run): the K-th largest
     key by _radix_select, then every key above it and the lowest-indexed keys equal to it (ties toward
@@ -637,6 +643,7 @@ def _topk_kernel(SCORES, OUT, CAND, CSCORE, CNT, SMALL, POS, T, S, K, CAPS, BLOC
     K causal keys. With REGS > 0, a row of at most REGS keys is read once into registers; a longer one
     (every row, REGS = 0) is read again for each pass. With STRIDE > 0, a listed row whose lists each
     hold at most STRIDE keys is read into registers by fixed stride (_select_strided)."""
+    _await_inputs(PDL)
     row = tl.program_id(0)
     n = tl.minimum(tl.load(POS).to(tl.int32) + row % T + 1, S)            # causal keys of this query
     kk = tl.minimum(K, n)
@@ -718,12 +725,12 @@ def topk_indices(scores, K, start_pos, block=None, num_warps=None, sample=None, 
     lists, listed = cand[0], cand[1].view(torch.float32)
     if lists_:
         _topk_list_kernel[(rows, segs)](scores, lists, listed, cnt, pos, T, S, K, caps, BLOCK=block, SAMPLE=sample,
-                                        STAGES=stages, DIGITS=digits, num_warps=num_warps)
+                                        STAGES=stages, DIGITS=digits, num_warps=num_warps, **pdl())
     small = torch.empty(rows, few, dtype=torch.int32, device=scores.device)   # step 2's copied-out keys
     strided = regs > 0 and rows <= 4 if strided is None else strided
     stride = regs // triton.next_power_of_2(segs) if strided and lists_ else 0
     _topk_kernel[(rows,)](scores, out, lists, listed, cnt, small, pos, T, S, K, caps, BLOCK=block, SEGS=segs, LISTS=lists_,
-                          NS=few, REGS=regs, STRIDE=stride, num_warps=num_warps)
+                          NS=few, REGS=regs, STRIDE=stride, num_warps=num_warps, **pdl())
     return out
 
 
@@ -737,10 +744,12 @@ latent_width = quant.latent_width                                      # bytes o
 
 
 @triton.jit
-def _store_latent_kernel(CKV, KPE, ROWS, POS, T, CAP, C: tl.constexpr, R: tl.constexpr, FP8_MAX: tl.constexpr):
+def _store_latent_kernel(CKV, KPE, ROWS, POS, T, CAP, C: tl.constexpr, R: tl.constexpr, FP8_MAX: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Reference: backend_torch.store_latent's steps (act_quant of c^KV, k^R to bf16, the row packed and
     stored). One program per token m = b T + t: its packed row goes to ROWS [>=B, CAP, W] at slot
     POS + t of batch b; a slot outside [0, CAP) is not written (never another batch's row)."""
+    _await_inputs(PDL)
     m = tl.program_id(0)
     slot = tl.load(POS).to(tl.int32) + m % T
     row = ROWS + ((m // T).to(tl.int64) * CAP + slot) * (C + 4 * (C // 128) + 2 * R)
@@ -773,7 +782,8 @@ def store_latent(rows, start_pos, c_kv, k_pe):
     assert rows.is_contiguous()
     if B * T:
         _store_latent_kernel[(B * T,)](c_kv.float().contiguous(), k_pe.float().contiguous(), rows,
-                                       _pos_tensor(start_pos, rows.device), T, rows.shape[1], C=C, R=R, FP8_MAX=FP8_MAX)
+                                       _pos_tensor(start_pos, rows.device), T, rows.shape[1], C=C, R=R, FP8_MAX=FP8_MAX,
+                                       **pdl())
 
 
 @triton.jit
@@ -848,7 +858,7 @@ def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, S
                        C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        PACKED: tl.constexpr, DENSE: tl.constexpr, DOT: tl.constexpr, DECODE: tl.constexpr,
                        QLOOP: tl.constexpr, HALVES: tl.constexpr, LATE_SUM: tl.constexpr, AHEAD: tl.constexpr,
-                       CLAMP: tl.constexpr, ROW64: tl.constexpr):
+                       CLAMP: tl.constexpr, ROW64: tl.constexpr, PDL: tl.constexpr = False):
     """Reference: attention.mqa_absorbed_ref's softmax(scale * (q^C W^UK . c + q^R . k^R)) c over the
     selected s. One program per (query token, block of heads, split of the selected set): gather the
     selected rows by index (DENSE: walk the causal positions instead), scores z = q^C . c + q^R . k^R
@@ -870,6 +880,7 @@ def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, S
     under a branch it cannot fold (n0 < hi always holds in the loop): it no longer sees the chain,
     splits the score tile by columns between the warpgroups and exchanges p through shared memory,
     as FlashMLA does by hand. Measured on an H200: prefill 253 -> 320-331 TFLOP/s (bench/RESULTS.md)."""
+    _await_inputs(PDL)
     bt, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, t = bt // T, bt % T
     last = tl.load(POS).to(tl.int32) + t                                  # the query's position
@@ -970,12 +981,14 @@ def _sparse_mla_kernel(QA, QPE, C8, C32, C16, IDX, POS, O, LSE, T, H, KSEL, L, S
 
 @triton.jit
 def _mla_combine_kernel(O_PART, LSE_PART, O, LSE, POS, T, H, SPLITS, SPLIT, KSEL, C: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, DENSE: tl.constexpr):
+                        BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, DENSE: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """The splits of one query's heads -> its output: o = sum_s 2^(lse_s - lse) o_s, lse = log2 sum_s 2^lse_s
     (a query with no keys anywhere: o = 0, lse = -inf). Only the splits that can hold entries of the
     query (up to its position + 1, or K) are read, all BLOCK_S >= SPLITS of them in one load (no
     loop of dependent loads: batch-1 decode waits on this kernel). One program per (query, heads,
     BLOCK_C columns)."""
+    _await_inputs(PDL)
     bt, hb, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     rc = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -1048,7 +1061,7 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
         qa.contiguous(), q_pe.contiguous(), c8, c32, c16, idx, _pos_tensor(start_pos, qa.device), o, lse,
         T, H, ksel, L, per, scale * 1.4426950408889634, C=C, R=R, BLOCK_H=block_h, BLOCK_N=block_n,
         PACKED=packed, DENSE=dense, DOT=dot, DECODE=decode, QLOOP=q_in_loop, HALVES=halves, LATE_SUM=late_sum,
-        AHEAD=ahead, CLAMP=clamp, ROW64=L * width >= ROW32_LIMIT, num_warps=num_warps, num_stages=num_stages)
+        AHEAD=ahead, CLAMP=clamp, ROW64=L * width >= ROW32_LIMIT, num_warps=num_warps, num_stages=num_stages, **pdl())
     if splits > 1:                                     # combine the splits by their log-sum-exp
         o_part, lse_part = o, lse
         o = torch.empty(B * T, H, C, dtype=out_dtype, device=qa.device)
@@ -1058,7 +1071,7 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
         bh = max(1, min(4, 8192 // (bs * bc)))
         _mla_combine_kernel[(B * T, triton.cdiv(H, bh), C // bc)](o_part, lse_part, o, lse, _pos_tensor(start_pos, qa.device),
                                                                   T, H, splits, per, ksel, C=C, BLOCK_S=bs, BLOCK_H=bh,
-                                                                  BLOCK_C=bc, DENSE=dense, num_warps=4)
+                                                                  BLOCK_C=bc, DENSE=dense, num_warps=4, **pdl())
     return o.reshape(B, T, H, C), lse.reshape(B, T, H)
 
 

@@ -52,6 +52,43 @@ def _interpreted():
 
 
 # -----------------------------------------------------------------------------
+# Programmatic dependent launch (Hopper and later). In a CUDA graph a kernel normally starts only when
+# the one before it has finished: its blocks are scheduled, then its prologue runs, while the GPU idles.
+# Launched with launch_pdl, a kernel starts as soon as every block of the one before has begun, and
+# waits (griddepcontrol.wait) until that kernel has finished and its writes are visible. Every kernel
+# here waits first, before any load or store, so no kernel reads an input early or overwrites what the
+# kernel before it still reads; only the launch overlaps. A batch-1 decode step is some 50 small
+# launches, so the gaps add up. Off (USE_PDL = False) it is the plain launch, bit for bit.
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:                   # a Triton without them: pdl() is empty, so PDL stays False
+    gdc_launch_dependents = gdc_wait = None
+
+USE_PDL = True
+
+
+@triton.jit
+def _await_inputs(PDL: tl.constexpr):  # each kernel's first statement
+    if PDL:
+        gdc_wait()                    # the kernel before has finished; its writes are visible
+        gdc_launch_dependents()       # the next kernel may start launching (it waits the same way)
+
+
+@functools.lru_cache(None)
+def _pdl_device(index):  # an NVIDIA GPU of compute capability 9.0 or later, with a Triton that has gdc_wait
+    return (gdc_wait is not None and torch.version.hip is None
+            and torch.cuda.get_device_capability(index)[0] >= 9)
+
+
+def pdl():
+    """The launch options that turn programmatic dependent launch on: every launch passes **pdl()."""
+    if not USE_PDL or _interpreted() or not torch.cuda.is_available() or not _pdl_device(torch.cuda.current_device()):
+        return {}
+    return dict(PDL=True, launch_pdl=True)
+
+
+# -----------------------------------------------------------------------------
 # FP8 e4m3 bytes -> fp32 by integer arithmetic, for GPUs without FP8 (gfx90a). The GEMM then feeds
 # fp16 to the matrix cores: every e4m3 / e4m3fnuz value is exact in fp16 (as in bf16), fp16 matrix
 # math runs at the bf16 rate on gfx90a, and the CPU interpreter multiplies fp16 correctly (not bf16).
@@ -88,8 +125,10 @@ def _ue8m0_quant(x, FP8_MAX: tl.constexpr):  # [R, 128] fp32 -> (x / s clamped t
 
 
 @triton.jit
-def _act_quant_kernel(X, Q, S, M, N, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr):
+def _act_quant_kernel(X, Q, S, M, N, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Reference: quant.act_quant (scale_fmt "ue8m0")."""
+    _await_inputs(PDL)
     pid_m, g = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = g * GROUP + tl.arange(0, GROUP)
@@ -102,9 +141,10 @@ def _act_quant_kernel(X, Q, S, M, N, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
 
 @triton.jit
 def _swiglu_quant_kernel(A, B, Q, S, M, I, stride_a, stride_b, BLOCK_M: tl.constexpr, ROUND: tl.constexpr,
-                         FP8_MAX: tl.constexpr):
+                         FP8_MAX: tl.constexpr, PDL: tl.constexpr = False):
     """Reference: moe.mlp_ref's h = silu(a) * b in fp32 (silu(a) = a / (1 + exp(-a))), rounded to bf16
     in official numerics, then quant.act_quant(h). A, B [M, I] rows strided, Q [M, I], S [M, I/128]."""
+    _await_inputs(PDL)
     pid_m, g = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = g * 128 + tl.arange(0, 128)
@@ -135,7 +175,7 @@ def swiglu_quant(a, b, official, fp8=FP8, fp8_max=FP8_MAX):
     bm = 16 if M >= 16 else 1 << max(M - 1, 0).bit_length()
     if M:
         _swiglu_quant_kernel[(triton.cdiv(M, bm), I // 128)](a, b, q, s, M, I, a.stride(0), b.stride(0), BLOCK_M=bm,
-                                                            ROUND=bool(official), FP8_MAX=fp8_max)
+                                                            ROUND=bool(official), FP8_MAX=fp8_max, **pdl())
     return q, s
 
 
@@ -150,7 +190,8 @@ def act_quant(x, fp8=FP8, fp8_max=FP8_MAX, block_m=None):
     s = torch.empty(M, N // 128, dtype=torch.float32, device=x.device)
     bm = block_m or (16 if M >= 16 else 1 << max(M - 1, 0).bit_length())
     if M:
-        _act_quant_kernel[(triton.cdiv(M, bm), N // 128)](x2, q, s, M, N, BLOCK_M=bm, GROUP=128, FP8_MAX=fp8_max)
+        _act_quant_kernel[(triton.cdiv(M, bm), N // 128)](x2, q, s, M, N, BLOCK_M=bm, GROUP=128, FP8_MAX=fp8_max,
+                                                          **pdl())
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], N // 128)
 
 
@@ -207,13 +248,14 @@ def _tile_addresses(A, B, pid_m, pid_n, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N:
 def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      DECODE: tl.constexpr, FNUZ: tl.constexpr, ROUND: tl.constexpr,
-                     WHOLE_M: tl.constexpr, WHOLE_N: tl.constexpr):
+                     WHOLE_M: tl.constexpr, WHOLE_N: tl.constexpr, PDL: tl.constexpr = False):
     """Reference: quant.fp8_gemm. A [M, K] fp8 (row-major), B [N, K] fp8 (K contiguous, as stored),
     SA [M, NUM_KB], SB [ceil(N/128), NUM_KB] float32, C [M, N] (ROUND: rounded to bf16 values, C float32).
     Every tile runs the K loop without masks (but A's rows in a GEMM of fewer than BLOCK_M), its addresses
     made once (_tile_addresses): H200, bench_gemm.py, M = 2048 / 8192, o 600 / 575 -> 813 / 822 TFLOP/s,
     mlp_w1 587 / 585 -> 798 / 796 against a loop masked by rows and columns (with 4 stages for 3); the
     same bits."""
+    _await_inputs(PDL)
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * n_n)                                     # grouped order: reuse B tiles in L2
@@ -243,8 +285,10 @@ def _fp8_gemm_kernel(A, B, C, SA, SB, M, N, K, NUM_KB,
 @triton.jit
 def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              DECODE: tl.constexpr, FNUZ: tl.constexpr, WHOLE_M: tl.constexpr, WHOLE_N: tl.constexpr):
+                              DECODE: tl.constexpr, FNUZ: tl.constexpr, WHOLE_M: tl.constexpr, WHOLE_N: tl.constexpr,
+                              PDL: tl.constexpr = False):
     """P [NUM_KB, M, N] float32 = A_kb B_kb^T, unscaled, for KB_PER consecutive K blocks per program."""
+    _await_inputs(PDL)
     tile, ks = tl.program_id(0), tl.program_id(1)
     n_n = tl.cdiv(N, BLOCK_N)
     rm, rn, _, _, a_at, b_at, a_ok = _tile_addresses(A, B, tile // n_n, tile % n_n, M, N, K, BLOCK_M, BLOCK_N,
@@ -258,12 +302,13 @@ def _fp8_gemm_partials_kernel(A, B, P, M, N, K, NUM_KB, KB_PER,
 
 @triton.jit
 def _fp8_gemm_combine_kernel(P, SA, SB, C, M, N, NUM_KB, BLOCK_N: tl.constexpr, KB_TILE: tl.constexpr,
-                             ROUND: tl.constexpr):
+                             ROUND: tl.constexpr, PDL: tl.constexpr = False):
     """C [M, N] = sum over kb in order of P[kb] * (sa[m, kb] sb[n // 128, kb]), the fp32 operations of
     _fp8_gemm_kernel's loop. One warp per (row, BLOCK_N columns within one weight scale block); the
     KB_TILE blocks' partials of a step are KB_TILE independent loads, issued together (one trip to L2
     a step, not one a block), then added in order. Blocks past NUM_KB read as 0 and add +0, which
     leaves the sum as it is (it starts at +0 and, rounding to nearest, never becomes -0)."""
+    _await_inputs(PDL)
     m, nb = tl.program_id(0), tl.program_id(1)
     rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rn < N
@@ -334,16 +379,16 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
     if split_k == 1:
         _fp8_gemm_kernel[(tiles,)](a, b, c, sa, sb, M, N, K, nkb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8,
                                    DECODE=decode, FNUZ=fnuz, ROUND=bf16_values, WHOLE_M=M >= bm, WHOLE_N=N >= bn,
-                                   num_warps=warps, num_stages=stages)
+                                   num_warps=warps, num_stages=stages, **pdl())
         return c
     p = torch.empty(nkb, M, N, dtype=torch.float32, device=a.device)
     _fp8_gemm_partials_kernel[(tiles, split_k)](a, b, p, M, N, K, nkb, kb_per, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128,
                                                 DECODE=decode, FNUZ=fnuz, WHOLE_M=M >= bm, WHOLE_N=N >= bn,
-                                                num_warps=warps, num_stages=stages)
+                                                num_warps=warps, num_stages=stages, **pdl())
     bn, kbt = COMBINE_TILE
     _fp8_gemm_combine_kernel[(M, triton.cdiv(N, bn))](p, sa, sb, c, M, N, nkb, BLOCK_N=bn,
                                                       KB_TILE=min(kbt, triton.next_power_of_2(nkb)), ROUND=bf16_values,
-                                                      num_warps=1)
+                                                      num_warps=1, **pdl())
     return c
 
 
@@ -354,13 +399,14 @@ def fp8_gemm(a, sa, b, sb, out_dtype=torch.bfloat16, configs=GEMM_CONFIGS, decod
 def _moe_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, OUT_AT, N, K, NUM_KB,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DECODE: tl.constexpr, FNUZ: tl.constexpr, SELF_ROWS: tl.constexpr, ROUND: tl.constexpr,
-                     SCATTER: tl.constexpr, WHOLE_N: tl.constexpr):
+                     SCATTER: tl.constexpr, WHOLE_N: tl.constexpr, PDL: tl.constexpr = False):
     """Reference: quant.fp8_gemm on each row block's expert. A [*, K] fp8 with SA [*, NUM_KB];
     B [E, N, K] fp8 with SB [E, ceil(N/128), NUM_KB] (all experts stacked); ROWS [P] the A row of
     each output row (-1: padding; SELF_ROWS: A's row is the output row itself, ROWS only says which
     are live); BLOCK_EXPERT [P / BLOCK_M] the expert of each row block (-1: none).
     C [P, N]: output row p = A[ROWS[p]] @ B[expert]^T (ROUND: rounded to bf16 values, C float32);
     SCATTER: written to C's row OUT_AT[p] instead."""
+    _await_inputs(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e >= 0:                                                         # blocks past the routed rows: nothing
@@ -415,7 +461,7 @@ def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, decode=
     _moe_gemm_kernel[grid](a, sa, b, sb, c, rows, block_expert, rows if out_at is None else out_at, N, K, K // 128,
                            BLOCK_M=MOE_BLOCK_M, BLOCK_N=block_n, BLOCK_K=128, DECODE=decode, FNUZ=fnuz,
                            SELF_ROWS=self_rows, ROUND=bf16_values, SCATTER=out_at is not None, WHOLE_N=N >= block_n,
-                           num_warps=4, num_stages=3)
+                           num_warps=4, num_stages=3, **pdl())
     return c
 
 
@@ -427,11 +473,12 @@ def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, decode=
 
 @triton.jit
 def _matmul_f32_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """C [M, N] float32 = a b for a [M, K] and b [K, N] (any strides): every product exact (two float32
     values multiply exactly in float64), float64 FMAs into [BLOCK_M, BLOCK_K, BLOCK_N] sums, added up over
     k once at the end, rounded once. (Not tl.dot on float64: Triton 3.6 fails to lower it for sm_90 when an
     operand is widened from bf16; Triton 3.9 compiles it.)"""
+    _await_inputs(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float64)
@@ -448,13 +495,15 @@ def _matmul_f32_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn,
 
 @triton.jit
 def _gemv_f32_kernel(A, B, C, M, N, K, sam, sak, sah, sbk, sbn, sbh, scm, sch,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, ROUND: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, ROUND: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """The same numbers for a few rows of a (a decode step): one program per row and BLOCK_N outputs, the
     rows of one weight tile side by side (its bytes come once from memory); per head h (program_id(1))
     of a batched product, a[:, h] b[h] into c[:, h] (the strides sah, sbh, sch; 0 for one product). The
     row's K in K_STEPS unrolled tiles, so every load is issued before the sums need it (a GEMV waits on
     memory, not on arithmetic); float64 FMAs into [BLOCK_N, BLOCK_K] sums, added up over k once at the
     end, rounded once (ROUND: then to bf16 values)."""
+    _await_inputs(PDL)
     m, nb, h = tl.program_id(0) % M, tl.program_id(0) // M, tl.program_id(1)
     A, B, C = A + h.to(tl.int64) * sah, B + h.to(tl.int64) * sbh, C + h.to(tl.int64) * sch
     rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -493,7 +542,7 @@ def _gemv(a, b, c, M, N, K, H, sam, sak, sah, sbk, sbn, sbh, scm, sch, bf16_valu
         warps, bn = 1, (bn if n_contiguous else min(4, triton.next_power_of_2(N)))
     _gemv_f32_kernel[(M * triton.cdiv(N, bn), H)](a, b, c, M, N, K, sam, sak, sah, sbk, sbn, sbh, scm, sch,
                                                   BLOCK_N=bn, BLOCK_K=bk, K_STEPS=triton.cdiv(K, bk),
-                                                  ROUND=bf16_values, num_warps=warps)
+                                                  ROUND=bf16_values, num_warps=warps, **pdl())
     return c
 
 
@@ -513,7 +562,7 @@ def matmul_f32(a, b):  # a [M, K], b [K, N] (float32 or bf16, any strides) -> [M
         return _gemv(a, b, c, M, N, K, 1, *a.stride(), 0, *b.stride(), 0, N, 0, False)
     _matmul_f32_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 32))](a, b, c, M, N, K, a.stride(0), a.stride(1),
                                                                    b.stride(0), b.stride(1), BLOCK_M=16,
-                                                                   BLOCK_N=32, BLOCK_K=8, num_warps=4)
+                                                                   BLOCK_N=32, BLOCK_K=8, num_warps=4, **pdl())
     return c
 
 
@@ -549,7 +598,8 @@ def _bf16_round(x):  # fp32 -> the nearest bf16 value (ties to even) as fp32, fr
 
 
 @triton.jit
-def _bf16_round_kernel(X, Y, N, BLOCK: tl.constexpr):
+def _bf16_round_kernel(X, Y, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    _await_inputs(PDL)
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     tl.store(Y + at, _bf16_round(tl.load(X + at, mask=at < N, other=0.0)), mask=at < N)
 
@@ -559,13 +609,14 @@ def bf16_round(x):  # float32 tensor -> the nearest bf16 values, as float32 (qua
         raise ValueError(f"bf16_round: float32 input expected, got {x.dtype}")
     x = x.contiguous()
     y = torch.empty_like(x)
-    _bf16_round_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096, num_warps=4)
+    _bf16_round_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096, num_warps=4, **pdl())
     return y
 
 
 @triton.jit
 def _rms_norm_kernel(X, W, Y, D, eps, HAS_W: tl.constexpr, RECIP: tl.constexpr, ROUND: tl.constexpr,
-                     BLOCK: tl.constexpr, RES=None, SUM=None, ADD: tl.constexpr = False):
+                     BLOCK: tl.constexpr, RES=None, SUM=None, ADD: tl.constexpr = False, PDL: tl.constexpr = False):
+    _await_inputs(PDL)
     d = tl.arange(0, BLOCK)
     at = tl.program_id(0).to(tl.int64) * D + d
     x = tl.load(X + at, mask=d < D, other=0.0)
@@ -604,7 +655,7 @@ def rms_norm(x, w, eps, official, recip=False):  # [..., D] float32, [D] or None
         BLOCK = triton.next_power_of_2(D)
         _rms_norm_kernel[(x.numel() // D,)](x, x if w is None else w.contiguous(), y, D, float(eps),
                                             HAS_W=w is not None, RECIP=bool(recip), ROUND=bool(official), BLOCK=BLOCK,
-                                            num_warps=_norm_warps(BLOCK))
+                                            num_warps=_norm_warps(BLOCK), **pdl())
     return y
 
 
@@ -625,5 +676,5 @@ def add_rms_norm(x, residual, w, eps, official):  # [..., D] float32 twice, [D] 
         BLOCK = triton.next_power_of_2(D)
         _rms_norm_kernel[(x.numel() // D,)](x, w.contiguous(), y, D, float(eps), HAS_W=True, RECIP=False,
                                             ROUND=bool(official), BLOCK=BLOCK, RES=residual, SUM=s, ADD=True,
-                                            num_warps=_norm_warps(BLOCK))
+                                            num_warps=_norm_warps(BLOCK), **pdl())
     return y, s

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_fp8 import _bf16_round
+from kernels_fp8 import _await_inputs, _bf16_round, pdl
 
 ROUTE_MAX = 2048                                       # the most token-expert pairs route takes in its one program
 
@@ -30,9 +30,11 @@ ROUTE_MAX = 2048                                       # the most token-expert p
 
 @triton.jit
 def _gate_topk_kernel(S, BIAS, W, IDX, E, scale, HAS_BIAS: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                      K: tl.constexpr, NORM: tl.constexpr, E_P: tl.constexpr, G_P: tl.constexpr, K_P: tl.constexpr):
+                      K: tl.constexpr, NORM: tl.constexpr, E_P: tl.constexpr, G_P: tl.constexpr, K_P: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Reference: moe.gate_ref from its scores on (backend_torch.gate). One program a token: its E scores
     in registers, every choice a max and then the lowest index holding it (a stable sort's tie rule)."""
+    _await_inputs(PDL)
     m = tl.program_id(0)
     e = tl.arange(0, E_P)
     ok = e < E
@@ -90,7 +92,8 @@ def gate_topk(s, bias, k, n_group=1, topk_group=1, norm=True, scale=1.0):
         b = bias.float().contiguous() if bias is not None else s
         _gate_topk_kernel[(M,)](s.float().contiguous(), b, w, idx, E, float(scale), HAS_BIAS=bias is not None, G=n_group,
                                 TOPK_GROUP=topk_group, K=k, NORM=norm, E_P=triton.next_power_of_2(E),
-                                G_P=triton.next_power_of_2(n_group), K_P=triton.next_power_of_2(k), num_warps=2)
+                                G_P=triton.next_power_of_2(n_group), K_P=triton.next_power_of_2(k), num_warps=2,
+                                **pdl())
     return w, idx
 
 
@@ -99,11 +102,12 @@ def gate_topk(s, bias, k, n_group=1, topk_group=1, norm=True, scale=1.0):
 
 @triton.jit
 def _route_kernel(IDX, ROWS, PAIR_AT, BLOCK_EXPERT, n, Kt, P, BM: tl.constexpr, E_P: tl.constexpr, CH: tl.constexpr,
-                  FILL: tl.constexpr):
+                  FILL: tl.constexpr, PDL: tl.constexpr = False):
     """Reference: backend_torch.route. One program for all n pairs: the padding first, then the pairs
     per expert (a one-hot [CH, E_P] sum) and each expert's first row, then the pairs CH at a time, each
     to its expert's first row + the pairs of that expert before it (earlier chunks: seen; this chunk:
     a [CH, CH] comparison)."""
+    _await_inputs(PDL)
     for p0 in range(0, P, FILL):                                     # padding rows: no token, the trash pair n
         rp = p0 + tl.arange(0, FILL)
         tl.store(ROWS + rp, tl.full((FILL,), -1, tl.int32), mask=rp < P)
@@ -146,7 +150,7 @@ def route(idx, E, bm):
     pair_at = torch.empty(P, dtype=torch.int64, device=idx.device)
     block_expert = torch.empty(P // bm, dtype=torch.int32, device=idx.device)
     _route_kernel[(1,)](idx.contiguous(), rows, pair_at, block_expert, pairs, Kt, P, BM=bm,
-                        E_P=triton.next_power_of_2(E + 1), CH=32, FILL=1024, num_warps=4)
+                        E_P=triton.next_power_of_2(E + 1), CH=32, FILL=1024, num_warps=4, **pdl())
     return rows, pair_at, block_expert
 
 
@@ -155,9 +159,10 @@ def route(idx, E, bm):
 
 @triton.jit
 def _moe_combine_kernel(OUT, W, IDX, SHARED, Y, d, KT: tl.constexpr, KT_P: tl.constexpr, BLOCK: tl.constexpr,
-                        ROUND: tl.constexpr):
+                        ROUND: tl.constexpr, PDL: tl.constexpr = False):
     """Reference: backend_torch.weighted_sum + the shared part + bf16_round (moe.moe_ref's order). One
     program a token and BLOCK columns: its slots ranked by expert id (ties: slot order), then added."""
+    _await_inputs(PDL)
     m, cb = tl.program_id(0), tl.program_id(1)
     cols = cb * BLOCK + tl.arange(0, BLOCK)
     okc = cols < d
@@ -189,5 +194,5 @@ def moe_combine(out, w, idx, shared, official):
         _moe_combine_kernel[(M, triton.cdiv(d, BLOCK))](out.float().contiguous(), w.float().contiguous(), idx.contiguous(),
                                                          shared.float().contiguous(), y, d, KT=Kt,
                                                          KT_P=triton.next_power_of_2(Kt), BLOCK=BLOCK, ROUND=official,
-                                                         num_warps=4, enable_fp_fusion=False)
+                                                         num_warps=4, enable_fp_fusion=False, **pdl())
     return y

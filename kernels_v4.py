@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_fp8 import _bf16_round, _e4m3_decode, _interpreted, sm_count
+from kernels_fp8 import _await_inputs, _bf16_round, _e4m3_decode, _interpreted, pdl, sm_count
 
 
 # -----------------------------------------------------------------------------
@@ -59,10 +59,11 @@ def _sigmoid(x):
 @triton.jit
 def _hc_mix_pre_kernel(MU, SS, X, BASE, ALPHA, PRE, POST, COMB, U, M, d, K, R, eps_rms, hc_eps,
                        N: tl.constexpr, ITERS: tl.constexpr, ROUND: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAD: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr = False):
     """Reference: mhc.hc_mix_pre_ref, given Φ x̄ (MU [M, R]) and Σ x̄² (SS [M]). One program per (BLOCK_M
     tokens, BLOCK_D columns of u): each computes its tokens' mixes and Sinkhorn (a few hundred flops a
     token, cheaper than a second launch), the first column block stores them, each collapses its slice."""
+    _await_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)                  # tokens m
     in_m = rows < M
     j = tl.arange(0, PAD)                                                       # a mix's columns, padded
@@ -124,7 +125,7 @@ def hc_mix_pre(X, fn, base, scale, args, official=False):  # X [M, n, d] -> pre,
     _hc_mix_pre_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(d, BLOCK_D))](
         mu, ss, X, base.float().contiguous(), alpha, pre, post, comb, u, M, d, n * d, R,
         float(args.rms_norm_eps), float(args.hc_eps), N=n, ITERS=int(args.hc_sinkhorn_iters), ROUND=bool(official),
-        BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, PAD=max(16, n), num_warps=4)
+        BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, PAD=max(16, n), num_warps=4, **pdl())
     return pre, post, comb, u
 
 
@@ -132,8 +133,10 @@ def hc_mix_pre(X, fn, base, scale, args, official=False):  # X [M, n, d] -> pre,
 # mhc.hc_post_ref: the sub-layer's output expanded back into the streams, mixed by B
 
 @triton.jit
-def _hc_post_kernel(X, Y, POST, COMB, OUT, d, N: tl.constexpr, ROUND: tl.constexpr, BLOCK_D: tl.constexpr):
+def _hc_post_kernel(X, Y, POST, COMB, OUT, d, N: tl.constexpr, ROUND: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Reference: mhc.hc_post_ref. One program per token and BLOCK_D columns, all n streams."""
+    _await_inputs(PDL)
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     i = tl.arange(0, N)
@@ -158,7 +161,7 @@ def hc_post(X, y, post, comb, official=False):  # [M, n, d], [M, d], [M, n], [M,
     BLOCK_D = 256
     _hc_post_kernel[(M, triton.cdiv(d, BLOCK_D))](
         X.float().contiguous(), y.float().contiguous(), post.float().contiguous(), comb.float().contiguous(), out, d,
-        N=n, ROUND=bool(official), BLOCK_D=BLOCK_D, num_warps=4)
+        N=n, ROUND=bool(official), BLOCK_D=BLOCK_D, num_warps=4, **pdl())
     return out
 
 
@@ -188,12 +191,13 @@ def _compress_slots(rows, CP, ZP, prev, s, i, m, S, ch, C: tl.constexpr, H: tl.c
 
 @triton.jit
 def _compress_kernel(ROWS, CP, ZP, NORM, COS, SIN, OUT, k, m, eps, C: tl.constexpr, R: tl.constexpr,
-                     OVERLAP: tl.constexpr, ROUND: tl.constexpr, BLOCK_S: tl.constexpr):
+                     OVERLAP: tl.constexpr, ROUND: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """Reference: compressor.pool_ref, rms_norm, rope_tail (backend_torch.compress's steps). ROWS [B, k m,
     2 h] the windows' [C_j | Z_j + B] (h = 2c where windows overlap, else c), CP, ZP [B, m, h] the window
     before the first (Z -inf: none), NORM [c], COS, SIN [k, R/2] -> OUT [B, k, c]. Program (b, i): window
     i's S slots (CSA: 2m, [C^a of window i-1 | C^b of window i]; HCA: m), the softmax over them per
     channel in three passes (max, sum, then the probabilities times the values, as the reference)."""
+    _await_inputs(PDL)
     b = tl.program_id(0)
     i = tl.program_id(1)
     ch = tl.arange(0, C)
@@ -247,7 +251,7 @@ def compress_keys(rows, Cp, Zp, norm, cos, sin, eps, m, overlap, official=False)
             rows.float().contiguous(), Cp.float().contiguous() if overlap else dummy,
             Zp.float().contiguous() if overlap else dummy, norm.float().contiguous(), cos.float().contiguous(),
             sin.float().contiguous(), out, k, m, float(eps), C=c, R=R, OVERLAP=bool(overlap), ROUND=bool(official),
-            BLOCK_S=min(16, triton.next_power_of_2(2 * m if overlap else m)), num_warps=4)
+            BLOCK_S=min(16, triton.next_power_of_2(2 * m if overlap else m)), num_warps=4, **pdl())
     return out
 
 
@@ -297,12 +301,14 @@ def _limb(v, i: tl.constexpr):
 
 @triton.jit
 def _fp4_gemm_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, M, N, K, KB_SPLIT, GROUPED: tl.constexpr,
-                     FNUZ: tl.constexpr, INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     FNUZ: tl.constexpr, INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """Reference: quant.fp4_gemm. A [*, K] e4m3 bytes, SA [*, K/128], B [E, N, K/2] e2m1 pairs, SB [E, N, K/32].
     Program (i, j, s) sums the 32-wide K blocks [s KB_SPLIT, (s + 1) KB_SPLIT) into C[s] (split K).
     GROUPED (the routed experts, as kernels_fp8.moe_gemm): output row p is A[ROWS[p]] times expert
     BLOCK_EXPERT[p / BLOCK_M]'s weights (ROWS -1: padding; BLOCK_EXPERT -1: an unused block); else
     output row p is A[p] times B[0], for p < M. INT8: the int8 route, else the fp16 one."""
+    _await_inputs(PDL)
     pid_m = tl.program_id(0)
     p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                                        # output rows
     nkb = K // 32
@@ -365,19 +371,20 @@ def fp4_gemm(a, sa, packed, sb, fnuz=False, int8=False):  # [M, K] e4m3, [M, K/1
     _fp4_gemm_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), splits)](
         a.contiguous().view(torch.uint8), sa.float().contiguous(), packed.contiguous().view(torch.uint8),
         sb.float().contiguous(), c, c, c, M, N, K, kb_split, GROUPED=False, FNUZ=fnuz, INT8=bool(int8),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4, **pdl())
     return c[0] if splits == 1 else c.sum(0)
 
 
 @triton.jit
 def _fp4_gemv_kernel(A, SA, B, SB, C, ROWS, BLOCK_EXPERT, P, N, K, KT_SPLIT, BLOCK_M: tl.constexpr, FNUZ: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """_fp4_gemm_kernel's GROUPED mode for decode, where a routed row block holds a row or two and the rest is
     padding: no MMA (whose 16 rows would be mostly padding), one output row a program, the weights streamed
     64 bytes (K = 128, one activation scale) a row per step through the CUDA cores, each 32-wide block's
     partial an exact integer sum (the int8 route's integers) rounded once, the blocks added in order: bit
     for bit the reference without a K split. Program (p, j, s) sums the K tiles [s KT_SPLIT, (s + 1) KT_SPLIT)
     into C[s, p] (split K); a padding row (ROWS -1) does no work."""
+    _await_inputs(PDL)
     p = tl.program_id(0)
     row = tl.load(ROWS + p)
     e = tl.load(BLOCK_EXPERT + p // BLOCK_M)
@@ -440,12 +447,12 @@ def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False, gemv=None, i
         c = torch.empty(splits, P, N, dtype=torch.float32, device=a.device)
         _fp4_gemv_kernel[(P, triton.cdiv(N, BLOCK_N), splits)](
             a, sa, packed, sb, c, rows, block_expert, P, N, K, kt_split, BLOCK_M=BLOCK_M, FNUZ=fnuz, BLOCK_N=BLOCK_N,
-            num_warps=4)
+            num_warps=4, **pdl())
         return c[0] if splits == 1 else c.sum(0)
     c = torch.empty(P, N, dtype=torch.float32, device=a.device)
     _fp4_gemm_kernel[(P // BLOCK_M, triton.cdiv(N, BLOCK_N), 1)](
         a, sa, packed, sb, c, rows, block_expert, P, N, K, K // 32, GROUPED=True, FNUZ=fnuz, INT8=bool(int8),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4, **pdl())
     return c
 
 
@@ -458,12 +465,13 @@ def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False, gemv=None, i
 @triton.jit
 def _sink_attention_kernel(Q, KW, KC, IDX, ND, MX, L, ACC, T, H, P, NC, KSEL, CHUNK, scale,
                            C: tl.constexpr, PASS: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
+                           BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """Reference: attention_v4.sparse_attention_ref. One program per (query, BLOCK_H heads, split); the
     split covers CHUNK of the query's virtual keys v: v < KSEL the listed row IDX[v] of [KW | KC], then
     KC[v - KSEL] while v - KSEL < ND[t]. PASS 1 stores the split's max logit in MX [B T, H, splits];
     PASS 2 reads the row's max from MX [B T, H] (the max over splits, made by the caller) and stores Σ e
     and Σ p κ (e = exp(z - m), p = bf16(e) when ROUND)."""
+    _await_inputs(PDL)
     bt = tl.program_id(0)
     b, t = bt // T, bt % T
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -547,12 +555,13 @@ def sparse_attention(q, KW, KC, idx, n_dense, sink, scale, official=False, split
     bf16 = bool(official) and not _interpreted()                                   # bf16 values: exact products
     meta = dict(C=c, ROUND=bool(official), BF16=bf16, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, num_warps=8 if c > 128 else 4)
     grid = (B * T, hb, splits)
-    _sink_attention_kernel[grid](*args, mx, l, acc, T, H, KW.shape[1], KC.shape[1], K, chunk, float(scale), PASS=1, **meta)
+    _sink_attention_kernel[grid](*args, mx, l, acc, T, H, KW.shape[1], KC.shape[1], K, chunk, float(scale), PASS=1,
+                                 **meta, **pdl())
     m = mx.amax(-1)                                                                # [B T, H]
     sink = sink.float()
     m = torch.where(torch.isfinite(m), m, 0.0) if official else torch.maximum(m, sink[None])
     _sink_attention_kernel[grid](*args, m.contiguous(), l, acc, T, H, KW.shape[1], KC.shape[1], K, chunk,
-                                 float(scale), PASS=2, **meta)
+                                 float(scale), PASS=2, **meta, **pdl())
     o = acc.sum(2) / (l.sum(2) + torch.exp(sink[None] - m))[..., None]               # [B T, H, c]
     return (_round(o) if official else o).reshape(B, T, H, c)
 
@@ -568,9 +577,11 @@ def _round(x):  # fp32 -> its nearest bf16 values, as fp32
 
 @triton.jit
 def _index_scores_v4_kernel(Q, W, KI, I, T, J, N, start_pos, m, D: tl.constexpr, OFFICIAL: tl.constexpr,
-                            BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+                            BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """Reference: compressor.index_scores_v4_ref (then -inf where w >= (start_pos + t + 1) // m). One
     program per (batch row, BLOCK_T queries, BLOCK_N keys); the heads in order, summed in fp32."""
+    _await_inputs(PDL)
     b = tl.program_id(0)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     w_ = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -604,9 +615,11 @@ def _index_scores_v4_kernel(Q, W, KI, I, T, J, N, start_pos, m, D: tl.constexpr,
 
 @triton.jit
 def _index_scores_v4_decode_kernel(Q, W, KI, I, T, J, N, start_pos, m, D: tl.constexpr, OFFICIAL: tl.constexpr,
-                                   BF16: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr):
+                                   BF16: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   PDL: tl.constexpr = False):
     """Reference: compressor.index_scores_v4_ref, for a few queries: one program per (query, BLOCK_N keys),
     all heads as the rows of one MMA, the heads summed as a tree (in fp32; not the reference's order)."""
+    _await_inputs(PDL)
     bt = tl.program_id(0)
     t = bt % T
     b = bt // T
@@ -650,10 +663,10 @@ def index_scores_v4(q, w, K_idx, start_pos, m=4, official=False):
         _index_scores_v4_decode_kernel[(B * T, triton.cdiv(n, BLOCK_N))](
             q.float().contiguous(), w.float().contiguous(), K_idx.float().contiguous(), out, T, J, n, int(start_pos),
             m, D=D, OFFICIAL=bool(official), BF16=bf16, BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_N=BLOCK_N,
-            num_warps=4)
+            num_warps=4, **pdl())
     elif n:
         _index_scores_v4_kernel[(B, triton.cdiv(T, BLOCK_T), triton.cdiv(n, BLOCK_N))](
             q.float().contiguous(), w.float().contiguous(), K_idx.float().contiguous(), out, T, J, n, int(start_pos),
             m, D=D, OFFICIAL=bool(official), BF16=bf16, BLOCK_T=BLOCK_T,
-            BLOCK_N=BLOCK_N, num_warps=4)
+            BLOCK_N=BLOCK_N, num_warps=4, **pdl())
     return out

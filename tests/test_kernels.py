@@ -42,17 +42,68 @@ def test_out_of_bounds_loads_are_caught():  # bounds.py itself: a load one eleme
             copy[(1,)](x, y, 9, BLOCK=16)                                 # one element past x
 
 
+@gpu
+def test_a_kernel_launched_early_reads_its_inputs_only_after_waiting():
+    # Programmatic dependent launch (kernels_fp8.pdl): a slow writer lets the next kernel start at once;
+    # a reader that waits first (as every kernel of the project does) sees the flag written, one that
+    # does not sees it unwritten. The second half shows that the launches really overlap here, so the
+    # first half is a test of the wait.
+    import triton
+    import triton.language as tl
+    import kernels_fp8
+    if not kernels_fp8.pdl():
+        pytest.skip("programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0 or later")
+
+    @triton.jit
+    def slow_writer(FLAG, X, n, PDL: tl.constexpr):
+        kernels_fp8._await_inputs(PDL)                                    # lets the reader launch now
+        acc = tl.load(X)
+        for _ in range(n):                                                # about 100 us of dependent steps
+            acc = acc * 0.999999 + 1e-6
+        tl.store(X, acc)
+        tl.store(FLAG, 1)
+
+    @triton.jit
+    def flag_reader(FLAG, SEEN, WAIT: tl.constexpr):
+        if WAIT:
+            kernels_fp8._await_inputs(WAIT)
+        tl.store(SEEN + tl.program_id(0), tl.load(FLAG, volatile=True))
+
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    x = torch.ones(1, device="cuda")
+    for wait in (True, False):
+        seen = []
+        for _ in range(20):
+            flag.zero_()
+            s = torch.full((132,), 7, dtype=torch.int32, device="cuda")
+            slow_writer[(1,)](flag, x, 200_000, **kernels_fp8.pdl())
+            flag_reader[(132,)](flag, s, WAIT=wait, launch_pdl=True)
+            seen.append(s.cpu())
+        seen = torch.cat(seen)
+        if wait:
+            assert (seen == 1).all()                                      # every reader saw the write
+        else:
+            assert (seen == 0).any()                                      # some started before the writer ended
+
+
 def t8(a, dtype=torch.float8_e4m3fn):  # ml_dtypes FP8 array -> torch FP8 tensor on DEV
     return torch.from_numpy(np.array(a.view(np.uint8))).view(dtype).to(DEV)
 
 
-def block_scaled(rng, rows, K, weight=False):  # standard normal values times 2^-4 .. 2^4 by scale block
+def block_scaled(rng, rows, K, weight=False, integers=False):  # normal values times 2^-4 .. 2^4 by scale block
     """[rows, K] float32 whose 1x128 (activation) or 128x128 (weight) blocks differ in magnitude, so that
-    their ue8m0 scales differ: a kernel that pairs a block's partial with another block's scale fails."""
+    their ue8m0 scales differ: a kernel that pairs a block's partial with another block's scale fails.
+    integers: integers in [-16, 16] in place of the normal values, for tests that compare two tilings'
+    bits in the interpreter. There tl.dot is NumPy's float32 matmul, which sums in an order that depends
+    on the tile's shape and on the kernel OpenBLAS picks for the CPU (on an AVX-512 EPYC, 2026-12-03, a
+    16 x 64 and a 32 x 128 tile summed the same products differently); such integers are exact e4m3
+    codes after either scale, and each 128-wide block's sum of their products is exact in float32 in
+    any order, so the bits then depend on the tiles alone."""
     kb = -(-K // 128)
     mag = np.exp2(rng.integers(-4, 5, (-(-rows // 128) if weight else rows, kb)).astype(np.float32))
     mag = mag.repeat(128, 0)[:rows] if weight else mag
-    return (rng.standard_normal((rows, K)) * mag.repeat(128, 1)[:, :K]).astype(np.float32)
+    v = rng.integers(-16, 17, (rows, K)) if integers else rng.standard_normal((rows, K))
+    return (v * mag.repeat(128, 1)[:, :K]).astype(np.float32)
 
 
 def assert_fp8_gemm_close(got, ref, a, sa, b, sb):  # a kernel's fp32 [M, N] against quant.fp8_gemm's
@@ -218,8 +269,8 @@ def test_fp8_gemm_ragged_tiles_give_the_whole_tiles_bits(MN, more_rows, kblocks,
     M, N = MN
     rng = np.random.default_rng(seed)
     K = 128 * kblocks
-    a, sa = quant.act_quant(block_scaled(rng, M + 1, K))
-    b, sb = quant.weight_quant(block_scaled(rng, N + 1, K, weight=True))
+    a, sa = quant.act_quant(block_scaled(rng, M + 1, K, integers=INTERPRETED))      # (the interpreter's BLAS)
+    b, sb = quant.weight_quant(block_scaled(rng, N + 1, K, weight=True, integers=INTERPRETED))
     m, n = (M + 1, N) if more_rows else (M, N + 1)
     gemm = lambda m, n: kernels_cuda.fp8_gemm(t8(a[:m]), torch.from_numpy(sa[:m]).to(DEV), t8(b[:n]),  # noqa: E731
                                               torch.from_numpy(np.ascontiguousarray(sb[:-(-n // 128)])).to(DEV),

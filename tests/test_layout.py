@@ -55,3 +55,42 @@ def test_the_check_sees_a_loop(tmp_path, monkeypatch):
         assert "x_a -> x_b -> x_a" in str(e)
     else:
         raise AssertionError("the loop was not seen")
+
+
+KERNEL_MODULES = ("kernels_fp8", "kernels_cuda", "kernels_moe", "kernels_v4")
+
+
+def pdl_faults(tree):  # what breaks kernels_fp8.py's programmatic-dependent-launch rule in a module
+    faults = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
+            # a kernel waits for the kernel before it first: before its first load or store
+            body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
+                else node.body
+            if ast.unparse(body[0]) != "_await_inputs(PDL)" or "PDL" not in [a.arg for a in node.args.args]:
+                faults.append(f"{node.name} does not wait first")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and \
+                isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel"):
+            if not any(k.arg is None and ast.unparse(k.value) == "pdl()" for k in node.keywords):
+                faults.append(f"a launch of {node.func.value.id} without **pdl() (line {node.lineno})")
+    return faults
+
+
+def test_every_kernel_waits_first_and_every_launch_asks_for_dependent_launch():
+    """Programmatic dependent launch lets a kernel start before the one before it has finished; that is
+    safe only because every kernel waits (griddepcontrol.wait) before it touches memory."""
+    kernels = 0
+    for m in KERNEL_MODULES:
+        tree = ast.parse(MODULES[m].read_text())
+        kernels += sum(isinstance(n, ast.FunctionDef) and n.name.endswith("_kernel") for n in ast.walk(tree))
+        assert pdl_faults(tree) == [], (m, pdl_faults(tree))
+    assert kernels >= 29                                  # the rule saw the kernels (29 on 2026-12-03)
+
+
+def test_the_pdl_check_sees_a_kernel_that_reads_before_waiting_and_a_plain_launch():
+    src = MODULES["kernels_moe"].read_text()
+    mutants = [src.replace("    _await_inputs(PDL)\n    m = tl.program_id(0)\n", "    m = tl.program_id(0)\n    _await_inputs(PDL)\n", 1),
+               src.replace(", **pdl())", ")", 1)]
+    for mutant in mutants:
+        assert mutant != src
+        assert len(pdl_faults(ast.parse(mutant))) == 1

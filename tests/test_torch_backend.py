@@ -134,6 +134,34 @@ def test_cuda_graph_replays_the_static_step(ckpt):
         nxt = la.argmax(-1, keepdim=True)
 
 
+
+@gpu
+@pytest.mark.parametrize("v4", [False, True])
+def test_programmatic_dependent_launch_changes_no_bits(ckpt, tmp_path, monkeypatch, v4):
+    # every kernel waits for the one before it (kernels_fp8._await_inputs), so launching the kernels early
+    # (kernels_fp8.pdl) changes when they start, not what they read: prefill and the graph's decode steps
+    # with and without it, bit for bit
+    import kernels_fp8
+    if not kernels_fp8.pdl():
+        pytest.skip("programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0 or later")
+    path = checkpoint.build_tiny(tmp_path / "tiny-v4", tokenizer=False, v4=True) if v4 else ckpt
+    tokens = np.random.default_rng(8).integers(0, 512, (2, 24))
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(kernels_fp8, "USE_PDL", on)
+        m = Transformer.from_pretrained(path, backend="torch", device="cuda")
+        m.reserve(2, 48)
+        logits = [m.forward(tokens).cpu().numpy()]
+        graph = backend_torch.GraphDecoder(m, 2, 24)
+        nxt = torch.as_tensor(tokens[:, -1:], device="cuda")
+        for pos in range(24, 40):
+            out = graph(nxt, pos)
+            logits.append(out.cpu().numpy())
+            nxt = out.argmax(-1, keepdim=True)
+        runs.append(logits)
+    for step, (a, b) in enumerate(zip(*runs)):
+        assert np.array_equal(a, b), step
+
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=6, deadline=None)
 @given(st.lists(st.integers(1, 3), min_size=2, max_size=3), st.integers(1, 96), st.integers(0, 2 ** 31), st.data())
