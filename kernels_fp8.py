@@ -475,21 +475,21 @@ def moe_gemm(a, sa, b, sb, rows, block_expert, out_dtype=torch.bfloat16, decode=
 def _matmul_f32_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """C [M, N] float32 = a b for a [M, K] and b [K, N] (any strides): every product exact (two float32
-    values multiply exactly in float64), float64 FMAs into [BLOCK_M, BLOCK_K, BLOCK_N] sums, added up over
-    k once at the end, rounded once. (Not tl.dot on float64: Triton 3.6 fails to lower it for sm_90 when an
-    operand is widened from bf16; Triton 3.9 compiles it.)"""
+    values multiply exactly in float64), float64 FMAs into [BLOCK_M, BLOCK_N, BLOCK_K] sums (k last: a
+    thread's own registers), added up over k once at the end, rounded once. (Not tl.dot on float64:
+    Triton 3.6 fails to lower it for sm_90, "fp64 don't support largeK MMA"; Triton 3.9 compiles it.)"""
     _await_inputs(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float64)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(A + rm[:, None].to(tl.int64) * sam + k[None, :] * sak, mask=(rm[:, None] < M) & (k[None, :] < K),
-                    other=0.0)
-        b = tl.load(B + k[:, None] * sbk + rn[None, :].to(tl.int64) * sbn, mask=(k[:, None] < K) & (rn[None, :] < N),
-                    other=0.0)
-        acc += a.to(tl.float64)[:, :, None] * b.to(tl.float64)[None, :, :]
-    tl.store(C + rm[:, None].to(tl.int64) * N + rn[None, :], tl.sum(acc, 1).to(tl.float32),
+                    other=0.0)                                                          # [BLOCK_M, BLOCK_K]
+        w = tl.load(B + k[None, :] * sbk + rn[:, None].to(tl.int64) * sbn, mask=(k[None, :] < K) & (rn[:, None] < N),
+                    other=0.0)                                                          # [BLOCK_N, BLOCK_K] = b^T
+        acc += a.to(tl.float64)[:, None, :] * w.to(tl.float64)[None, :, :]
+    tl.store(C + rm[:, None].to(tl.int64) * N + rn[None, :], tl.sum(acc, 2).to(tl.float32),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -521,6 +521,7 @@ def _gemv_f32_kernel(A, B, C, M, N, K, sam, sak, sah, sbk, sbn, sbh, scm, sch,
 
 
 GEMV_ROWS = 4                                          # up to this many rows of a: _gemv_f32_kernel
+GEMV_SMALL_ROWS, GEMV_SMALL_B = 64, 8 << 20            # and up to 64 rows where b (router, head weights) fits in L2
 GEMV_MAX_K = 32 * 1024                                 # its unrolled K at most (tiles 1024 wide, or 128 for b [K, N])
 
 
@@ -549,7 +550,12 @@ def _gemv(a, b, c, M, N, K, H, sam, sak, sah, sbk, sbn, sbh, scm, sch, bf16_valu
 def matmul_f32(a, b):  # a [M, K], b [K, N] (float32 or bf16, any strides) -> [M, N] float32
     """a @ b summed in float64 and rounded once to float32 (reference: quant.matmul_f32): the same bits
     for any row count and tiles. A projection whose weight W [N, K] is stored row-major is b = W.T (a
-    view, k along W's rows); a bf16 W is read as stored and widened in registers."""
+    view, k along W's rows); a bf16 W is read as stored and widened in registers. Up to GEMV_ROWS rows,
+    and up to GEMV_SMALL_ROWS where b is at most GEMV_SMALL_B bytes (the router's and the indexer's head
+    weights, which stay in L2 from row to row), the GEMV kernel in one launch; else tiles of 8 x 64 (up to
+    8 rows) or 16 x 32 outputs. (H200, 2026-12-03, graph-replayed, L2 flushed, 32 rows: the router's
+    logits took 519 us in 16 x 32 tiles, 8 programs for its 256 outputs, against cuBLAS fp32's 21; the
+    output head 9.6 ms with k in the middle of the tile's sums, 7.5 with k last, cuBLAS fp32 2.4.)"""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul_f32: [M, K] @ [K, N] expected, got {tuple(a.shape)} @ {tuple(b.shape)}")
     if {a.dtype, b.dtype} - {torch.float32, torch.bfloat16}:
@@ -558,11 +564,13 @@ def matmul_f32(a, b):  # a [M, K], b [K, N] (float32 or bf16, any strides) -> [M
     c = torch.empty(M, N, dtype=torch.float32, device=a.device)
     if c.numel() == 0 or K == 0:
         return c.zero_()
-    if M <= GEMV_ROWS and K <= GEMV_MAX_K:
+    small_b = M <= GEMV_SMALL_ROWS and b.numel() * b.element_size() <= GEMV_SMALL_B
+    if (M <= GEMV_ROWS or small_b) and K <= GEMV_MAX_K:
         return _gemv(a, b, c, M, N, K, 1, *a.stride(), 0, *b.stride(), 0, N, 0, False)
-    _matmul_f32_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 32))](a, b, c, M, N, K, a.stride(0), a.stride(1),
-                                                                   b.stride(0), b.stride(1), BLOCK_M=16,
-                                                                   BLOCK_N=32, BLOCK_K=8, num_warps=4, **pdl())
+    bm, bn, bk = (8, 64, 16) if M <= 8 else (16, 32, 8)
+    _matmul_f32_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](a, b, c, M, N, K, a.stride(0), a.stride(1),
+                                                                   b.stride(0), b.stride(1), BLOCK_M=bm,
+                                                                   BLOCK_N=bn, BLOCK_K=bk, num_warps=4, **pdl())
     return c
 
 

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import kernels_cuda
+import kernels_fp8
 import kernels_rocm
 import quant
 from bounds import loads_and_stores_in_bounds  # noqa: F401  (autouse: no address outside a kernel's arguments)
@@ -50,7 +51,6 @@ def test_a_kernel_launched_early_reads_its_inputs_only_after_waiting():
     # first half is a test of the wait.
     import triton
     import triton.language as tl
-    import kernels_fp8
     if not kernels_fp8.pdl():
         pytest.skip("programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0 or later")
 
@@ -312,16 +312,24 @@ def test_fp8_gemm_columns_do_not_depend_on_their_neighbours(M, blocks, ragged, k
                                   torch.cat(apart, 1).view(torch.int16).cpu().numpy())
 
 
-@settings(max_examples=12, deadline=None)
-@given(st.sampled_from([1, 2, 3, 5, 16, 17, 70]), st.integers(1, 1400), st.integers(1, 150), st.booleans(),
-       st.sampled_from(["W.T", "[K, N]"]), st.booleans(), st.integers(0, 2 ** 31))
-def test_matmul_f32(M, K, N, bf16, layout, strided_a, seed):
+@settings(max_examples=14, deadline=None)
+@given(st.sampled_from([1, 2, 3, 5, 8, 16, 17, 64, 70]), st.integers(1, 1400), st.integers(1, 150), st.booleans(),
+       st.sampled_from(["W.T", "[K, N]"]), st.booleans(), st.booleans(), st.integers(0, 2 ** 31))
+def test_matmul_f32(M, K, N, bf16, layout, strided_a, small_b_gemv, seed):
     """The fp32 projections: every product exact and the sums in float64, rounded once, so the bits of
     the float64 oracle rounded to float32 (two float64 sums of the same terms in different orders round
     to different float32 values only when one lands within ~1e-16 of a rounding boundary: never, in
     practice; an fp32 accumulator differs in a large share of the outputs), whatever the rows (the GEMV
-    of up to 4 rows, one or two outputs a program, or the 16 x 32 tiles), K (one or more unrolled
-    tiles), the weight's dtype and layout and a's strides."""
+    of up to 4 rows, one or two outputs a program, and of up to 64 where b is small, or the 8 x 64 and
+    16 x 32 tiles: small_b_gemv False sends the small weights drawn here to the tiles), K (one or more
+    unrolled tiles), the weight's dtype and layout and a's strides."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not small_b_gemv:
+            mp.setattr(kernels_fp8, "GEMV_SMALL_B", 0)
+        check_matmul_f32(M, K, N, bf16, layout, strided_a, seed)
+
+
+def check_matmul_f32(M, K, N, bf16, layout, strided_a, seed):
     rng = np.random.default_rng(seed)
     step = 2 if strided_a else 1                                           # x as a view with a column stride
     A = torch.from_numpy((rng.standard_normal((M, step * K)) * 3).astype(np.float32)).to(DEV)[:, ::step]
