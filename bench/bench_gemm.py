@@ -9,6 +9,9 @@ to torch.matmul in bf16 on the same shape (the named baseline). act_quant is rep
 against the copy bandwidth.
 
     python bench/bench_gemm.py [--out DIR]        prints a table; writes DIR/gemm.json and DIR/gemm.md
+    python bench/bench_gemm.py --projections      the fp32 projections instead (kernels_fp8.matmul_f32: exact
+                                                  products, float64 sums) at 1-64 rows against cuBLAS's fp32
+                                                  matmul on a float32 copy of the weight; writes DIR/proj.json
 """
 import argparse
 import json
@@ -134,16 +137,56 @@ def render(meta, rows):  # raw timings -> the markdown table (derived figures co
     return lines
 
 
+PROJECTIONS = {"router": (256, 7168), "indexer head weights": (64, 7168), "output head": (129280, 7168)}  # W [N, K]
+PROJ_ROWS = (1, 4, 8, 32, 64)
+
+
+def render_projections(meta, rows):
+    lines = [f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; bf16 weights, rows of "
+             "bf16 values, graph-replayed, L2 flushed", "",
+             "| weight [N, K] | rows | matmul_f32 us | weight TB/s | cuBLAS fp32 us | matmul_f32 / cuBLAS | "
+             "= float64 product rounded once |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['weight']} [{r['N']}, {r['K']}] | {r['M']} | {1e3 * r['ms']:.1f} | "
+                     f"{2 * r['N'] * r['K'] / r['ms'] / 1e9:.2f} | {1e3 * r['cublas_ms']:.1f} | "
+                     f"{r['ms'] / r['cublas_ms']:.2f} | {'yes' if r['exact'] else 'NO'} |")
+    return lines
+
+
+def projections(out):  # --projections: matmul_f32 on the fp32 projections' shapes
+    import triton
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name, (N, K) in PROJECTIONS.items():
+        W = (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        Wf = W.float()
+        for M in PROJ_ROWS:
+            x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16).float()
+            exact = torch.equal(kernels_fp8.matmul_f32(x, W.T), (x.double() @ W.double().T).float())
+            rows.append(dict(weight=name, N=N, K=K, M=M, exact=exact, ms=timed(lambda: kernels_fp8.matmul_f32(x, W.T)),
+                             cublas_ms=timed(lambda: x @ Wf.T)))
+            print(render_projections(dict(gpu="", date="", torch="", triton=""), rows[-1:])[-1], flush=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d"))
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "proj.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print("\n".join(render_projections(meta, rows)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gemm.json and gemm.md")
-    ap.add_argument("--render", default=None, help="re-render the table of an earlier gemm.json (no GPU needed)")
+    ap.add_argument("--render", default=None, help="re-render the table of an earlier gemm.json or proj.json "
+                    "(no GPU needed)")
+    ap.add_argument("--projections", action="store_true", help="the fp32 projections (matmul_f32) instead")
     a = ap.parse_args()
     if a.render:
         d = json.loads(Path(a.render).read_text())
-        print("\n".join(render(d["meta"], d["rows"])))
+        print("\n".join((render_projections if "cublas_ms" in d["rows"][0] else render)(d["meta"], d["rows"])))
         return
     _imports()
+    if a.projections:
+        return projections(a.out)
     torch.manual_seed(0)
     roof = rooflines()
     rows = []

@@ -380,6 +380,13 @@ def test_benchmark_tables_render_from_the_stored_runs():
     assert len(lines) == 4 + len(d["rows"]) and "NVIDIA H200" in lines[0]
     results = (ROOT / "bench" / "RESULTS.md").read_text()
     assert all(line in results for line in lines[2:])
+    d = json.loads((ROOT / "bench" / "proj_h200_2026-12-03.json").read_text())      # --projections
+    lines = bench_gemm.render_projections(d["meta"], d["rows"])
+    assert len(lines) == 4 + 15 and all(line in results for line in lines)
+    import bench_pdl
+    d = json.loads((ROOT / "bench" / "pdl_h200_2026-12-03.json").read_text())
+    lines = bench_pdl.render(d["meta"], d["res"])
+    assert len(lines) == 4 + 7 + 1 and all(line in results for line in lines)
 
 
 def test_dsa_and_figure3_tables_render_from_the_stored_runs():
@@ -393,9 +400,10 @@ def test_dsa_and_figure3_tables_render_from_the_stored_runs():
         table = bench_dsa.render(d["meta"], d["rows"]).splitlines()
         assert "NVIDIA H200" in table[0] and "TileLang 0.1.15" in table[0] and len(table) == 4 + len(d["rows"])
         assert all(line in results for line in table)
-    f = json.loads((ROOT / "bench" / "fig3_h200_2026-11-30.json").read_text())
-    assert all(line in results for line in bench_fig3.render(f).splitlines()[2:])
-    assert (ROOT / "bench" / "fig3_h200_2026-11-30.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for day in ("2026-11-30", "2026-12-03"):
+        f = json.loads((ROOT / "bench" / f"fig3_h200_{day}.json").read_text())
+        assert all(line in results for line in bench_fig3.render(f).splitlines()[2:])
+        assert (ROOT / "bench" / f"fig3_h200_{day}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_v4_cost_curve_renders_from_the_stored_run():
