@@ -57,22 +57,29 @@ def test_the_check_sees_a_loop(tmp_path, monkeypatch):
         raise AssertionError("the loop was not seen")
 
 
-KERNEL_MODULES = ("kernels_fp8", "kernels_cuda", "kernels_moe", "kernels_v4")
+KERNEL_MODULES = ("kernels_fp8", "kernels_cuda", "kernels_moe", "kernels_v4", "kernels_rocm")
 
 
 def pdl_faults(tree):  # what breaks kernels_fp8.py's programmatic-dependent-launch rule in a module
+    """Every @triton.jit function that no other one calls (a kernel, whatever its name) waits for the
+    kernel before it as its first statement; every launch, f[grid](...) whatever f is (a name, a
+    variable, a module's attribute), passes **pdl()."""
+    jit = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+           and any("jit" in ast.unparse(d) for d in n.decorator_list)}
+    helpers = {c.func.id for f in jit.values() for c in ast.walk(f)
+               if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
     faults = []
+    for name, node in jit.items():
+        if name in helpers:
+            continue
+        body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
+            else node.body
+        if ast.unparse(body[0]) != "_await_inputs(PDL)" or "PDL" not in [a.arg for a in node.args.args]:
+            faults.append(f"{name} does not wait first")
     for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
-            # a kernel waits for the kernel before it first: before its first load or store
-            body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
-                else node.body
-            if ast.unparse(body[0]) != "_await_inputs(PDL)" or "PDL" not in [a.arg for a in node.args.args]:
-                faults.append(f"{node.name} does not wait first")
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and \
-                isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel"):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
             if not any(k.arg is None and ast.unparse(k.value) == "pdl()" for k in node.keywords):
-                faults.append(f"a launch of {node.func.value.id} without **pdl() (line {node.lineno})")
+                faults.append(f"a launch of {ast.unparse(node.func.value)} without **pdl() (line {node.lineno})")
     return faults
 
 
@@ -87,10 +94,22 @@ def test_every_kernel_waits_first_and_every_launch_asks_for_dependent_launch():
     assert kernels >= 29                                  # the rule saw the kernels (29 on 2026-12-03)
 
 
-def test_the_pdl_check_sees_a_kernel_that_reads_before_waiting_and_a_plain_launch():
+def test_the_pdl_check_sees_kernels_that_read_before_waiting_and_plain_launches():
+    def sub(text, *pairs):  # each replacement, once, where it applies
+        for old, new in zip(pairs[::2], pairs[1::2]):
+            assert old in text, old
+            text = text.replace(old, new, 1)
+        return text
+
     src = MODULES["kernels_moe"].read_text()
-    mutants = [src.replace("    _await_inputs(PDL)\n    m = tl.program_id(0)\n", "    m = tl.program_id(0)\n    _await_inputs(PDL)\n", 1),
-               src.replace(", **pdl())", ")", 1)]
+    launch, plain = "_route_kernel[(1,)](idx.contiguous(), rows,", ("num_warps=4, **pdl())\n    return rows",
+                                                                  "num_warps=4)\n    return rows")
+    first = "    _await_inputs(PDL)\n    m = tl.program_id(0)\n"
+    mutants = [sub(src, first, "    m = tl.program_id(0)\n    _await_inputs(PDL)\n"),
+               sub(src, ", **pdl())", ")"),
+               sub(src, launch, "k = _route_kernel\n    k[(1,)](idx.contiguous(), rows,", *plain),  # a variable
+               sub(src, launch, "kernels_moe._route_kernel[(1,)](idx.contiguous(), rows,", *plain),     # an attribute
+               sub(src, "@triton.jit\ndef _route_kernel", "@triton.jit\ndef _route",                      # any name
+                   "    _await_inputs(PDL)\n    for p0", "    for p0", launch, "_route[(1,)](idx.contiguous(), rows,")]
     for mutant in mutants:
-        assert mutant != src
-        assert len(pdl_faults(ast.parse(mutant))) == 1
+        assert len(pdl_faults(ast.parse(mutant))) == 1, pdl_faults(ast.parse(mutant))

@@ -134,7 +134,6 @@ def test_cuda_graph_replays_the_static_step(ckpt):
         nxt = la.argmax(-1, keepdim=True)
 
 
-
 @gpu
 @pytest.mark.parametrize("v4", [False, True])
 def test_programmatic_dependent_launch_changes_no_bits(ckpt, tmp_path, monkeypatch, v4):
@@ -161,6 +160,7 @@ def test_programmatic_dependent_launch_changes_no_bits(ckpt, tmp_path, monkeypat
         runs.append(logits)
     for step, (a, b) in enumerate(zip(*runs)):
         assert np.array_equal(a, b), step
+
 
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=6, deadline=None)
