@@ -24,6 +24,9 @@ _bf16_round from here.
     add_rms_norm  the residual add before it, in the same launch, the sum rounded out as well
                                              reference: model.Transformer._norm's steps
 
+Every kernel here and in kernels_cuda.py, kernels_moe.py and kernels_v4.py begins with _await_inputs(PDL),
+and every launch passes **pdl(): programmatic dependent launch on Hopper (below), the same bits.
+
 Every kernel is shared with kernels_rocm.py: what differs by architecture (the FP8 flavour and its
 maximum, whether FP8 is decoded by hand, tile sizes) arrives as constexpr arguments and wrapper data.
 Every kernel runs on the CPU under TRITON_INTERPRET=1 (tests/test_kernels.py), where the interpreter's
