@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels_hopper
 import quant
 # the number formats and GEMMs, re-exported: callers name them kernels_cuda.act_quant, .fp8_gemm, ...
 from kernels_fp8 import (FP8, FP8_MAX, GEMV_ROWS, MOE_BLOCK_M, RMS_NORM_MAX, act_quant, add_rms_norm,  # noqa: F401
@@ -1105,9 +1106,17 @@ def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=Non
 
 def sparse_mla_prefill(qa, q_pe, cache, idx, scale, start_pos, S=None, out_dtype=torch.bfloat16,
                        block_h=None, block_n=64, num_warps=8, num_stages=2, decode=False, q_in_loop=True,
-                       halves=None, late_sum=None, ahead=False, clamp=False):
+                       halves=None, late_sum=None, ahead=False, clamp=False, hopper=None):
     """sparse_mla_decode's arguments for a chunk of many queries: one program per (query, block of
     heads) over its whole selected set, the output written directly in out_dtype (no combine).
+    hopper (None: where it takes the call) = kernels_hopper's warp-specialised variant, the same bits;
+    False: this plain kernel (the tile arguments are its own).
     Reference: attention.mqa_absorbed_ref, as sparse_mla_decode."""
+    if hopper is not False and kernels_hopper.takes(qa, q_pe, cache, idx, 1):
+        return kernels_hopper.sparse_mla_prefill(qa, q_pe, cache, idx, scale, _pos_tensor(start_pos, qa.device),
+                                                  out_dtype=out_dtype)
+    if hopper:
+        raise ValueError("sparse_mla_prefill: hopper=True, but kernels_hopper does not take this call "
+                         "(a Hopper GPU with Gluon, a bf16 cache of 512 + 64 values a row, heads in 64s)")
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], 1,
                        out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp)

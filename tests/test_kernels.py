@@ -886,6 +886,39 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
             assert np.abs(lse[b, t] - ref_lse).max() <= 1e-3 * max(1, np.abs(ref_lse).max())
 
 
+@gpu
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, 2), st.integers(1, 40), st.sampled_from([64, 128]), st.integers(1, 3000),
+       st.sampled_from([1, 40, 64, 100, 512, 2048]), st.sampled_from([torch.bfloat16, torch.float32]),
+       st.integers(0, 2 ** 31))
+@example(1, 33, 128, 2500, 2048, torch.bfloat16, 0)            # many 64-entry steps: both stages reused
+def test_sparse_mla_prefill_hopper_equals_the_plain_kernel(B, T, H, L, K, out_dtype, seed):
+    """kernels_hopper's warp-specialised sparse MLA prefill (Gluon) against the plain-Triton kernel it
+    replaces on Hopper: the same outputs and log-sum-exps bit for bit, at V3.2-Exp's widths (C = 512,
+    R = 64), for selections with -1 padding, rows with nothing selected, contexts shorter than K."""
+    import kernels_hopper
+    if not kernels_hopper.available(DEV):
+        pytest.skip("kernels_hopper runs on a Hopper GPU with Triton's Gluon")
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    C, R = kernels_hopper.C_MLA, kernels_hopper.R_MLA
+    past = int(torch.randint(0, L, (1,), generator=g, device=DEV))
+    T = min(T, L - past)
+    cache = (torch.randn(B, L, C + R, generator=g, device=DEV) * 2).bfloat16()
+    qa = torch.randn(B, T, H, C, generator=g, device=DEV).bfloat16()
+    qp = torch.randn(B, T, H, R, generator=g, device=DEV).bfloat16()
+    idx = torch.full((B, T, K), -1, dtype=torch.int32, device=DEV)   # causal entries first, then -1
+    for b in range(B):
+        for t in range(T):
+            n = int(torch.randint(0, min(K, past + t + 1) + 1, (1,), generator=g, device=DEV))
+            idx[b, t, :n] = torch.randperm(past + t + 1, generator=g, device=DEV)[:n].int()
+    args = (qa, qp, cache, idx, 0.07, past)
+    assert kernels_hopper.takes(qa, qp, cache, idx, 1)
+    o, lse = kernels_cuda.sparse_mla_prefill(*args, out_dtype=out_dtype, hopper=True)
+    o_ref, lse_ref = kernels_cuda.sparse_mla_prefill(*args, out_dtype=out_dtype, hopper=False)
+    assert torch.equal(lse, lse_ref)
+    assert torch.equal(o, o_ref), f"{(o != o_ref).float().mean().item():.2%} of the outputs differ"
+
+
 @settings(max_examples=16)
 @given(st.integers(1, 2), st.integers(1, 4), st.integers(0, 150), st.integers(1, 40), st.sampled_from(["normal", "ties", "equal"]),
        st.sampled_from([16, 64]), st.sampled_from([(2048, None), (16, None), (16, 1)]), st.sampled_from([None, 1, 3]),

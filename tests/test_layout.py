@@ -57,17 +57,17 @@ def test_the_check_sees_a_loop(tmp_path, monkeypatch):
         raise AssertionError("the loop was not seen")
 
 
-KERNEL_MODULES = ("kernels_fp8", "kernels_cuda", "kernels_moe", "kernels_v4", "kernels_rocm")
+KERNEL_MODULES = ("kernels_fp8", "kernels_cuda", "kernels_moe", "kernels_v4", "kernels_rocm", "kernels_hopper")
 
 
 def pdl_faults(tree):  # what breaks kernels_fp8.py's programmatic-dependent-launch rule in a module
-    """Every @triton.jit function that no other one calls (a kernel, whatever its name) waits for the
-    kernel before it as its first statement; every launch, f[grid](...) whatever f is (a name, a
-    variable, a module's attribute), passes **pdl()."""
+    """Every @triton.jit (or @gluon.jit) function that no other one calls or names (a kernel, whatever
+    its name; Gluon's partitions are named in the kernel's warp_specialize) waits for the kernel before
+    it as its first statement; every launch, f[grid](...) whatever f is (a name, a variable, a module's
+    attribute), passes **pdl()."""
     jit = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
            and any("jit" in ast.unparse(d) for d in n.decorator_list)}
-    helpers = {c.func.id for f in jit.values() for c in ast.walk(f)
-               if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+    helpers = {c.id for f in jit.values() for c in ast.walk(f) if isinstance(c, ast.Name)}
     faults = []
     for name, node in jit.items():
         if name in helpers:

@@ -1,0 +1,267 @@
+"""Hopper variants, in Triton's Gluon dialect, of kernels_cuda.py's kernels where the lever is
+something plain Triton cannot say: warpgroups doing different work at once (warp specialisation).
+
+    sparse_mla_prefill   kernels_cuda.sparse_mla_prefill for a bf16 cache of C = 512 latent and
+                         R = 64 rope values a row, 64 heads a program, three warpgroups:
+                           producer    gathers the next selected rows into one of two shared buffers
+                                       (cp.async; unselected rows are zero-filled)
+                           consumer 0  the scores z = q^C . c + q^R . k^R (wgmma), the online softmax,
+                                       p and alpha to shared memory, o[:, :256] = alpha o + p c[:, :256]
+                           consumer 1  o[:, 256:] = alpha o + p c[:, 256:]
+                         so the gather, the score MMA and half the value MMA of different steps overlap
+                         (the split of FlashMLA's and TileLang's pipelined kernels, written here anew).
+                                                                  reference: kernels_cuda._sparse_mla_kernel
+
+The plain-Triton kernel stays: it is what the interpreter tests in CI and what every other GPU runs.
+This one computes the same operations in the same order, so its bits equal the plain kernel's on an
+H200 (tests/test_kernels.py, GPU only): the score tile as two 32-column halves (the plain kernel's
+two warpgroups' halves: the same wgmma shapes, the same sums of p), each half's K chain as the plain
+kernel's (q^C against the latent, 32 k-steps, from the 0 / -inf mask; q^R against the rope part from
+0; their sum), the value MMA's accumulator alpha * o as it folds it, and o / l with the same division.
+`available(device)` says where it runs: an NVIDIA GPU of compute capability 9.x with a Triton that has
+Gluon's Hopper API; kernels_cuda.sparse_mla_prefill calls it there for the shapes it takes
+(`takes(...)`), and the plain kernel otherwise.
+"""
+import functools
+
+import torch
+import triton
+
+try:                                                   # Gluon: Triton 3.5 and later
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                                  warpgroup_mma)
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # 3.9 / 3.6
+except ImportError:                                    # no Gluon: the plain kernel everywhere
+    gluon = None
+
+from kernels_fp8 import pdl
+
+USE_GLUON = True                                       # False: kernels_cuda's plain kernel on Hopper too
+
+C_MLA, R_MLA, BLOCK_H, BLOCK_N = 512, 64, 64, 64       # the shapes this variant takes (V3.2-Exp's)
+
+
+@functools.lru_cache(None)
+def _hopper(index):
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
+
+
+def available(device):
+    """Whether the Gluon variants run on this device (a Hopper GPU, Gluon present, not turned off)."""
+    device = torch.device(device)
+    return (USE_GLUON and gluon is not None and device.type == "cuda" and not _interpreted()
+            and _hopper(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def _interpreted():
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def takes(qa, q_pe, cache, idx, splits):
+    """Whether sparse_mla_prefill here takes this call: a bf16 cache of [C_MLA | R_MLA] rows, heads in
+    blocks of 64, a selection given, one split, 32-bit row offsets."""
+    B, T, H, C = qa.shape
+    return (available(qa.device) and idx is not None and splits == 1 and cache.dtype == torch.bfloat16
+            and qa.dtype == torch.bfloat16 and q_pe.dtype == torch.bfloat16
+            and C == C_MLA and q_pe.shape[-1] == R_MLA and H % BLOCK_H == 0
+            and cache.shape[1] * (C + R_MLA) < 2 ** 31)
+
+
+if gluon is not None:
+    @gluon.jit
+    def _await_inputs(PDL: gl.constexpr):  # kernels_fp8._await_inputs in Gluon: each kernel's first statement
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    # -------------------------------------------------------------------------
+    # sparse MLA prefill, warp-specialised. Shared memory (bf16): q^C [64, 512] as two 256-column
+    # halves, q^R [64, 64], two stages of gathered rows (latent halves [64, 256] x 2, rope [64, 64]),
+    # p as two [64, 32] halves, alpha and 1 / l [64] in float32: 225 KB of the H200's 227.
+
+    @gluon.jit
+    def _mla_gather(kv_l, kv_r, kv_pe, ready, free, KV, SEL, hi, steps,
+                    C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr):
+        """Producer warpgroup: step i's selected rows -> stage i % 2 (cp.async, unselected rows zero)."""
+        CH: gl.constexpr = C // 2
+        LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])   # [4, 256] a pass: 16 B a thread
+        ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # [16, 64] a pass
+        rl = gl.arange(0, BN, layout=gl.SliceLayout(1, LAT))
+        rp = gl.arange(0, BN, layout=gl.SliceLayout(1, ROPE))
+        cl = gl.arange(0, CH, layout=gl.SliceLayout(0, LAT))
+        cp = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE))
+        for i in range(steps):
+            st = i % 2
+            mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)          # both consumers are done with it
+            n_l, n_p = i * BN + rl, i * BN + rp
+            s_l = gl.load(SEL + n_l, mask=n_l < hi, other=-1)          # selected positions (-1: none)
+            s_p = gl.load(SEL + n_p, mask=n_p < hi, other=-1)
+            at_l = KV + gl.expand_dims(gl.where(s_l >= 0, s_l, 0) * (C + R), 1) + gl.expand_dims(cl, 0)
+            at_p = KV + gl.expand_dims(gl.where(s_p >= 0, s_p, 0) * (C + R), 1) + C + gl.expand_dims(cp, 0)
+            ok_l = gl.expand_dims(s_l >= 0, 1)
+            ok_p = gl.expand_dims(s_p >= 0, 1)
+            _async_load(kv_l.index(st), at_l, mask=ok_l)
+            _async_load(kv_r.index(st), at_l + CH, mask=ok_l)
+            _async_load(kv_pe.index(st), at_p, mask=ok_p)
+            async_copy.mbarrier_arrive(ready.index(st), increment_count=False)   # each thread, once its copies land
+
+    @gluon.jit
+    def _mla_right(kv_r, p_s, alpha_s, inv_s, free, p_ready, p_free, done, O, head0, steps,
+                   C: gl.constexpr, BH: gl.constexpr):
+        """Consumer 1: o[:, 256:] = alpha o + p c[:, 256:] each step, then o / l."""
+        CH: gl.constexpr = C // 2
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CH, 16])
+        acc = gl.zeros([BH, CH], gl.float32, ACC)
+        for i in range(steps):
+            st = i % 2
+            mbarrier.wait(p_ready.index(0), i & 1)                     # p and alpha of step i
+            fence_async_shared()
+            alpha = alpha_s.load(gl.SliceLayout(1, ACC))
+            acc = acc * gl.expand_dims(alpha, 1)
+            acc = warpgroup_mma(p_s.index(0), kv_r.index(st).slice(0, 32), acc)
+            acc = warpgroup_mma(p_s.index(1), kv_r.index(st).slice(32, 32), acc)
+            mbarrier.arrive(p_free.index(0), count=1)
+            mbarrier.arrive(free.index(st), count=1)
+        mbarrier.wait(done.index(0), 0)                                # 1 / l
+        inv = inv_s.load(gl.SliceLayout(1, ACC))
+        rh = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ACC))
+        rc = gl.arange(0, CH, layout=gl.SliceLayout(0, ACC))
+        at = O + gl.expand_dims(rh.to(gl.int64) * C, 1) + CH + gl.expand_dims(rc, 0)
+        gl.store(at, (acc * gl.expand_dims(inv, 1)).to(O.dtype.element_ty))
+
+    @gluon.jit
+    def _mla_scores_left(q_l, q_r, q_pe, kv_l, kv_r, kv_pe, p_s, alpha_s, inv_s, ready, free, p_ready, p_free,
+                         done, SEL, O, LSE, head0, hi, steps, qk_scale,
+                         C: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr):
+        """Consumer 0 (the default partition): scores, online softmax, o[:, :256]; then l, 1 / l, lse."""
+        CH: gl.constexpr = C // 2
+        HALF: gl.constexpr = BN // 2
+        S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CH, 16])
+        acc = gl.zeros([BH, CH], gl.float32, ACC)
+        m = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, S))
+        l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S))
+        zero = gl.zeros([BH, HALF], gl.float32, S)
+        rn = gl.arange(0, HALF, layout=gl.SliceLayout(0, S))
+        for i in range(steps):
+            st = i % 2
+            n0 = i * BN
+            s0 = gl.load(SEL + n0 + rn, mask=n0 + rn < hi, other=-1)
+            s1 = gl.load(SEL + n0 + HALF + rn, mask=n0 + HALF + rn < hi, other=-1)
+            z0 = zero + gl.expand_dims(gl.where(s0 >= 0, 0.0, float("-inf")), 0)   # 0 / -inf: selected or not
+            z1 = zero + gl.expand_dims(gl.where(s1 >= 0, 0.0, float("-inf")), 0)
+            mbarrier.wait(ready.index(st), (i // 2) & 1)
+            fence_async_shared()
+            kl, kr, kp = kv_l.index(st), kv_r.index(st), kv_pe.index(st)
+            z0 = warpgroup_mma(q_l, kl.slice(0, HALF).permute((1, 0)), z0)            # q^C . c, columns 0..31
+            z0 = warpgroup_mma(q_r, kr.slice(0, HALF).permute((1, 0)), z0)
+            z1 = warpgroup_mma(q_l, kl.slice(HALF, HALF).permute((1, 0)), z1)         # columns 32..63
+            z1 = warpgroup_mma(q_r, kr.slice(HALF, HALF).permute((1, 0)), z1)
+            r0 = warpgroup_mma(q_pe, kp.slice(0, HALF).permute((1, 0)), zero)         # q^R . k^R
+            r1 = warpgroup_mma(q_pe, kp.slice(HALF, HALF).permute((1, 0)), zero)
+            z0 = (z0 + r0) * qk_scale                                  # qk_scale = softmax scale * log2(e)
+            z1 = (z1 + r1) * qk_scale
+            m_new = gl.maximum(m, gl.maximum(gl.max(z0, 1), gl.max(z1, 1)))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)     # nothing valid yet: no NaN
+            p0 = gl.exp2(z0 - gl.expand_dims(m_safe, 1))
+            p1 = gl.exp2(z1 - gl.expand_dims(m_safe, 1))
+            alpha = gl.exp2(m - m_safe)
+            l = l * alpha + (gl.sum(p0, 1) + gl.sum(p1, 1))            # the plain kernel's two warpgroups' sums
+            mbarrier.wait(p_free.index(0), (i & 1) ^ 1)                # consumer 1 has taken step i - 1's
+            p_s.index(0).store(p0.to(gl.bfloat16))
+            p_s.index(1).store(p1.to(gl.bfloat16))
+            alpha_s.store(alpha)
+            fence_async_shared()
+            mbarrier.arrive(p_ready.index(0), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, ACC)), 1)
+            acc = warpgroup_mma(p_s.index(0), kl.slice(0, HALF), acc)               # o[:, :256] += p c
+            acc = warpgroup_mma(p_s.index(1), kl.slice(HALF, HALF), acc)
+            mbarrier.arrive(free.index(st), count=1)
+            m = m_new
+        inv = 1.0 / gl.where(l > 0, l, 1.0)
+        lse = gl.where(l > 0, m + gl.log2(gl.where(l > 0, l, 1.0)), float("-inf"))
+        inv_s.store(inv)
+        mbarrier.arrive(done.index(0), count=1)
+        rh = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, S))
+        gl.store(LSE + rh, lse)
+        inv_a = gl.convert_layout(inv, gl.SliceLayout(1, ACC))
+        ra = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ACC))
+        rc = gl.arange(0, CH, layout=gl.SliceLayout(0, ACC))
+        at = O + gl.expand_dims(ra.to(gl.int64) * C, 1) + gl.expand_dims(rc, 0)
+        gl.store(at, (acc * gl.expand_dims(inv_a, 1)).to(O.dtype.element_ty))
+
+    @gluon.jit
+    def _sparse_mla_prefill_kernel(QA, QPE, KV, IDX, POS, O, LSE, T, H, KSEL, L, qk_scale,
+                                   C: gl.constexpr, R: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
+                                   PDL: gl.constexpr = False):
+        """Reference: kernels_cuda._sparse_mla_kernel with one split, bf16 rows (HALVES, LATE_SUM,
+        CLAMP off), bit for bit. One program per (query token, 64 heads)."""
+        _await_inputs(PDL)
+        CH: gl.constexpr = C // 2
+        bt, hb = gl.program_id(0), gl.program_id(1)
+        b, t = bt // T, bt % T
+        hi = gl.minimum(gl.load(POS).to(gl.int32) + t + 1, KSEL)      # at most position + 1 entries
+        steps = gl.cdiv(hi, BN)
+        head0 = bt.to(gl.int64) * H + hb * BH                          # this program's first (token, head) row
+        # q^C and q^R -> shared memory (the default warpgroup, before the split)
+        BIG: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        SMALL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        rh = gl.arange(0, BH, layout=gl.SliceLayout(1, LD))
+        rc = gl.arange(0, CH, layout=gl.SliceLayout(0, LD))
+        rr = gl.arange(0, R, layout=gl.SliceLayout(0, LD))
+        at = QA + gl.expand_dims((head0 + rh) * C, 1) + gl.expand_dims(rc, 0)
+        q_l = gl.allocate_shared_memory(gl.bfloat16, [BH, CH], BIG, gl.load(at))
+        q_r = gl.allocate_shared_memory(gl.bfloat16, [BH, CH], BIG, gl.load(at + CH))
+        q_pe = gl.allocate_shared_memory(gl.bfloat16, [BH, R], BIG,
+                                         gl.load(QPE + gl.expand_dims((head0 + rh) * R, 1) + gl.expand_dims(rr, 0)))
+        kv_l = gl.allocate_shared_memory(gl.bfloat16, [2, BN, CH], BIG)
+        kv_r = gl.allocate_shared_memory(gl.bfloat16, [2, BN, CH], BIG)
+        kv_pe = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], BIG)
+        p_s = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BN // 2], SMALL)
+        ROW: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        alpha_s = gl.allocate_shared_memory(gl.float32, [BH], ROW)
+        inv_s = gl.allocate_shared_memory(gl.float32, [BH], ROW)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(2):
+            mbarrier.init(ready.index(st), count=128)                  # the producer's 128 threads' copies
+            mbarrier.init(free.index(st), count=2)                     # both consumers
+        mbarrier.init(p_ready.index(0), count=1)
+        mbarrier.init(p_free.index(0), count=1)
+        mbarrier.init(done.index(0), count=1)
+        fence_async_shared()
+        KV += b.to(gl.int64) * L * (C + R)                             # this sequence's rows
+        SEL = IDX + bt.to(gl.int64) * KSEL                             # this query's selected positions
+        gl.warp_specialize([
+            (_mla_scores_left, (q_l, q_r, q_pe, kv_l, kv_r, kv_pe, p_s, alpha_s, inv_s, ready, free, p_ready,
+                                p_free, done, SEL, O, LSE, head0, hi, steps, qk_scale, C, BH, BN)),
+            (_mla_right, (kv_r, p_s, alpha_s, inv_s, free, p_ready, p_free, done, O, head0, steps, C, BH)),
+            (_mla_gather, (kv_l, kv_r, kv_pe, ready, free, KV, SEL, hi, steps, C, R, BN)),
+        ], [4, 4], [168, 80])
+
+
+def sparse_mla_prefill(qa, q_pe, cache, idx, scale, pos, out_dtype=torch.bfloat16):
+    """kernels_cuda.sparse_mla_prefill's contract for what takes(...) accepts, the first query's position
+    as an integer [1] tensor on the device -> (o [B, T, H, C], lse [B, T, H])."""
+    B, T, H, C = qa.shape
+    R, L = q_pe.shape[-1], cache.shape[1]
+    if not takes(qa, q_pe, cache, idx, 1):
+        raise ValueError(f"kernels_hopper.sparse_mla_prefill: qa {tuple(qa.shape)} {qa.dtype}, q_pe {tuple(q_pe.shape)}, "
+                         f"cache {tuple(cache.shape)} {cache.dtype} on {qa.device} is not what it takes")
+    ksel = idx.shape[-1]
+    o = torch.empty(B * T, H, C, dtype=out_dtype, device=qa.device)
+    lse = torch.empty(B * T, H, dtype=torch.float32, device=qa.device)
+    _sparse_mla_prefill_kernel[(B * T, H // BLOCK_H)](
+        qa.contiguous(), q_pe.contiguous(), cache.contiguous(), idx.to(torch.int32).contiguous(),
+        pos, o, lse, T, H, ksel, L, scale * 1.4426950408889634,
+        C=C, R=R, BH=BLOCK_H, BN=BLOCK_N, num_warps=4, maxnreg=168, **pdl())
+    return o.reshape(B, T, H, C), lse.reshape(B, T, H)
