@@ -127,6 +127,7 @@ def main():
     tilelang = load_tilelang(a.tilelang) if a.tilelang else None
     import torch
     import kernels_cuda
+    import kernels_hopper
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=dev).manual_seed(0)
     smoke = a.smoke
@@ -296,7 +297,7 @@ def main():
         qa, qp = randn(1, T, H, C, dtype=torch.bfloat16), randn(1, T, H, R, dtype=torch.bfloat16)
         idx = selection(1, T, L, K, causal_end=L - T)              # early queries of a short context: fewer
         valid = int((idx >= 0).sum())
-        fn = lambda **c: kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx, scale, L - T, **c)
+        fn = lambda **c: kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx, scale, L - T, hopper=False, **c)
         ms, cfg = best(fn, MLA_CONFIGS) if cfg is None else (timed(lambda: fn(**cfg)), cfg)
         rows_bf = cache[0]
 
@@ -308,8 +309,16 @@ def main():
                 z = torch.bmm(q, g.transpose(1, 2)).float() * scale
                 z = z.masked_fill(sel[:, None, :] < 0, float("-inf"))
                 torch.bmm(torch.softmax(z, -1).bfloat16(), g[..., :C])
+        base_ms = timed(gathered)
         add(dict(kernel="sparse MLA prefill (bf16 cache)", shape=f"T={T} L={L} topk={K}", ms=ms,
-                 baseline_ms=timed(gathered), flops=2 * valid * H * (C + R + C), config=cfg))
+                 baseline_ms=base_ms, flops=2 * valid * H * (C + R + C), config=cfg))
+        ours = [(rows[-1], lambda: fn(**cfg)[0])]
+        if kernels_hopper.takes(qa, qp, cache, idx, 1):  # the warp-specialised variant (Gluon), the same bits
+            hop = lambda: kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx, scale, L - T, hopper=True)[0]
+            add(dict(kernel="sparse MLA prefill (bf16 cache), Hopper warp-specialised", shape=f"T={T} L={L} topk={K}",
+                     ms=timed(hop), baseline_ms=base_ms, flops=2 * valid * H * (C + R + C),
+                     config=dict(same_bits_as_plain=torch.equal(hop(), fn(**cfg)[0]))))
+            ours.append((rows[-1], hop))
         if tilelang:                                    # their kernel: q and key rows whole, selections padded with L
             qt, kvt = torch.cat([qa, qp], -1).contiguous(), cache[:, :, None, :].contiguous()
             it = torch.where(idx < 0, L, idx)[:, :, None, :].contiguous()
@@ -320,7 +329,8 @@ def main():
                     compiled.append(tilelang.sparse_mla_fwd_pipelined.sparse_mla_fwd_interface(
                         qt, kvt, it, L - T, 1, sm_scale=scale, return_kernel=True))
                 return compiled[0](qt, kvt, it, q0)[0]
-            beside(rows[-1], lambda: fn(**cfg)[0], theirs, rel_diff)
+            for row, call in ours:
+                beside(row, call, theirs, rel_diff)
         del cache, kv, pe
 
     if dev == "cuda":  # registers and spills of the compiled kernels (stderr)
