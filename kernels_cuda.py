@@ -44,7 +44,7 @@ DSA kernels (DeepSeek Sparse Attention; the model calls them on a GPU through ba
     sparse_mla_prefill  float32), online softmax; decode splits the selected set and combines the
                         splits by log-sum-exp, prefill writes each query directly
                                                                     reference: attention.mqa_absorbed_ref
-    On Hopper, sparse_mla_prefill at V3.2-Exp's widths runs kernels_hopper's warp-specialised variant
+    On Hopper, sparse_mla_prefill over a bf16 cache runs kernels_hopper's warp-specialised variant
     (Gluon: a producer warpgroup gathers while two consumers compute), the same bits as the kernel here.
 
 Every kernel is shared with kernels_rocm.py: what differs by architecture (the FP8 flavour
@@ -1114,11 +1114,11 @@ def sparse_mla_prefill(qa, q_pe, cache, idx, scale, start_pos, S=None, out_dtype
     hopper (None: where it takes the call) = kernels_hopper's warp-specialised variant, the same bits as
     this kernel with its default tiles (the tile arguments are then unused); False: this kernel.
     Reference: attention.mqa_absorbed_ref, as sparse_mla_decode."""
-    if hopper is not False and kernels_hopper.takes(qa, q_pe, cache, idx, 1, decode):
+    if hopper is not False and not decode and kernels_hopper.takes(qa, q_pe, cache, idx, 1):
         return kernels_hopper.sparse_mla_prefill(qa, q_pe, cache, idx, scale, _pos_tensor(start_pos, qa.device),
                                                   out_dtype=out_dtype)
     if hopper:
         raise ValueError("sparse_mla_prefill: hopper=True, but kernels_hopper does not take this call "
-                         "(a Hopper GPU with Gluon, rows of 512 + 64 values, bf16 queries, heads in 64s)")
+                         "(a Hopper GPU with Gluon, bf16 rows of 512 + 64 values, bf16 queries, heads in 64s)")
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], 1,
                        out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp)

@@ -1,11 +1,10 @@
 """Hopper variants, in Triton's Gluon dialect, of kernels_cuda.py's kernels where the lever is
 something plain Triton cannot say: warpgroups doing different work at once (warp specialisation).
 
-    sparse_mla_prefill   kernels_cuda.sparse_mla_prefill for rows of C = 512 latent and R = 64 rope
-                         values (bf16, or the packed FP8 656-byte rows), 64 heads a program, three
-                         warpgroups:
+    sparse_mla_prefill   kernels_cuda.sparse_mla_prefill for a bf16 cache of C = 512 latent and
+                         R = 64 rope values a row, 64 heads a program, three warpgroups:
                            producer    gathers the next selected rows into one of two shared buffers
-                                       (bf16: cp.async; FP8: codes times scales, stored as bf16)
+                                       (cp.async; unselected rows are zero-filled)
                            consumer 0  the scores z = q^C . c + q^R . k^R (wgmma), the online softmax,
                                        p and alpha to shared memory, o[:, :256] = alpha o + p c[:, :256]
                            consumer 1  o[:, 256:] = alpha o + p c[:, 256:]
@@ -32,7 +31,7 @@ try:                                                   # Gluon: Triton 3.5 and l
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
-                                                                  warpgroup_mma)
+                                                                  warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # 3.9 / 3.6
 except ImportError:                                    # no Gluon: the plain kernel everywhere
@@ -62,18 +61,16 @@ def _interpreted():
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def takes(qa, q_pe, cache, idx, splits, decode=False):
-    """Whether sparse_mla_prefill here takes this call: latent rows of C_MLA values and R_MLA rope values
-    (bf16, or packed FP8 rows whose e4m3 codes the GPU converts: not decode), bf16 queries (q^R may
-    be float32 holding bf16 values), heads in blocks of 64, a selection given, one split, a sequence's
-    rows within 32-bit offsets."""
+def takes(qa, q_pe, cache, idx, splits):
+    """Whether sparse_mla_prefill here takes this call: bf16 rows of C_MLA latent and R_MLA rope values,
+    bf16 queries, heads in blocks of 64, a selection given, one split, a sequence's rows within 32-bit
+    offsets. (The model's own caches are packed FP8 or float32: kernels_cuda's kernel reads those.)"""
     B, T, H, C = qa.shape
-    R, packed = q_pe.shape[-1], cache.dtype == torch.uint8
-    width = C + 4 * (C // 128) + 2 * R if packed else C + R
-    return (available(qa.device) and idx is not None and splits == 1 and not decode
-            and (packed or cache.dtype == torch.bfloat16) and cache.dim() == 3 and cache.shape[2] == width
-            and qa.dtype == torch.bfloat16 and q_pe.dtype in (torch.bfloat16, torch.float32)
-            and C == C_MLA and R == R_MLA and H % BLOCK_H == 0 and cache.shape[1] * width < 2 ** 31)
+    R = q_pe.shape[-1]
+    return (available(qa.device) and idx is not None and splits == 1 and cache.dtype == torch.bfloat16
+            and qa.dtype == torch.bfloat16 and q_pe.dtype == torch.bfloat16 and cache.dim() == 3
+            and C == C_MLA and R == R_MLA and cache.shape[2] == C + R and H % BLOCK_H == 0
+            and cache.shape[1] * (C + R) < 2 ** 31)
 
 
 if gluon is not None:
@@ -90,59 +87,34 @@ if gluon is not None:
     # p as two [64, 32] halves, alpha and 1 / l [64] in float32: 225 KB of the H200's 227.
 
     @gluon.jit
-    def _mla_gather(kv_l, kv_r, kv_pe, ready, free, KV, K8, KS, SEL, hi, steps,
-                    C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, PACKED: gl.constexpr):
-        """Producer warpgroup: step i's selected rows -> stage i % 2. bf16 rows: cp.async, unselected rows
-        zero-filled. Packed FP8 rows (PACKED): e4m3 codes times their 128-value group's scale, exact in
-        bf16 (as the plain kernel's _latent_cols), unselected rows reading row 0 (its CLAMP)."""
+    def _mla_gather(kv_l, kv_r, kv_pe, ready, free, KV, SEL, hi, steps,
+                    C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr):
+        """Producer warpgroup: step i's selected rows -> stage i % 2 (cp.async, unselected rows zero-filled)."""
         CH: gl.constexpr = C // 2
+        LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])   # [4, 256] a pass: 16 B a thread
         ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # [16, 64] a pass
-        rp = gl.arange(0, BN, layout=gl.SliceLayout(1, ROPE))
+        n_l = gl.arange(0, BN, layout=gl.SliceLayout(1, LAT))
+        n_p = gl.arange(0, BN, layout=gl.SliceLayout(1, ROPE))
+        cl = gl.arange(0, CH, layout=gl.SliceLayout(0, LAT))
         cp = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE))
-        if PACKED:
-            W: gl.constexpr = C + 4 * (C // 128) + 2 * R                           # bytes a row
-            G: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])  # [rows, 2 groups, 128]
-            r3 = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, G)))
-            g3 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, G)))
-            e3 = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, G)))
-            col3 = gl.expand_dims(gl.expand_dims(g3, 0), 2) * 128 + gl.expand_dims(gl.expand_dims(e3, 0), 1)
-            grp3 = gl.expand_dims(gl.expand_dims(g3, 0), 2)
-        else:
-            LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])   # [4, 256] a pass: 16 B a thread
-            rl = gl.arange(0, BN, layout=gl.SliceLayout(1, LAT))
-            cl = gl.arange(0, CH, layout=gl.SliceLayout(0, LAT))
+        s_l_next = gl.load(SEL + n_l, mask=n_l < hi, other=-1)         # selected positions (-1: none), each
+        s_p_next = gl.load(SEL + n_p, mask=n_p < hi, other=-1)         # step's loaded one step early
         for i in range(steps):
             st = i % 2
+            s_l, s_p = s_l_next, s_p_next
+            n_l += BN
+            n_p += BN
+            s_l_next = gl.load(SEL + n_l, mask=n_l < hi, other=-1)
+            s_p_next = gl.load(SEL + n_p, mask=n_p < hi, other=-1)
+            at_l = KV + gl.expand_dims(gl.where(s_l >= 0, s_l, 0) * (C + R), 1) + gl.expand_dims(cl, 0)
+            at_p = KV + gl.expand_dims(gl.where(s_p >= 0, s_p, 0) * (C + R), 1) + C + gl.expand_dims(cp, 0)
+            ok_l = gl.expand_dims(s_l >= 0, 1)
+            ok_p = gl.expand_dims(s_p >= 0, 1)
             mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)          # both consumers are done with it
-            n_p = i * BN + rp
-            s_p = gl.load(SEL + n_p, mask=n_p < hi, other=-1)          # selected positions (-1: none)
-            if PACKED:
-                n_3 = i * BN + r3
-                s_3 = gl.load(SEL + n_3, mask=n_3 < hi, other=-1)
-                row = gl.expand_dims(gl.expand_dims(gl.where(s_3 >= 0, s_3, 0), 1), 2)   # [BN, 1, 1]
-                for h in gl.static_range(2):                           # the two 256-value halves
-                    codes = gl.load(K8 + row * W + h * CH + col3)      # [BN, 2, 128] e4m3
-                    scale = gl.load(KS + row * (W // 4) + C // 4 + h * 2 + grp3)     # [BN, 2, 1]
-                    kv = gl.reshape(codes.to(gl.bfloat16) * scale.to(gl.bfloat16), [BN, CH])
-                    if h == 0:
-                        kv_l.index(st).store(kv)
-                    else:
-                        kv_r.index(st).store(kv)
-                row_p = gl.expand_dims(gl.where(s_p >= 0, s_p, 0), 1)
-                kv_pe.index(st).store(gl.load(KV + row_p * (W // 2) + (C + 4 * (C // 128)) // 2 + gl.expand_dims(cp, 0)))
-                fence_async_shared()
-                mbarrier.arrive(ready.index(st), count=1)
-            else:
-                n_l = i * BN + rl
-                s_l = gl.load(SEL + n_l, mask=n_l < hi, other=-1)
-                at_l = KV + gl.expand_dims(gl.where(s_l >= 0, s_l, 0) * (C + R), 1) + gl.expand_dims(cl, 0)
-                at_p = KV + gl.expand_dims(gl.where(s_p >= 0, s_p, 0) * (C + R), 1) + C + gl.expand_dims(cp, 0)
-                ok_l = gl.expand_dims(s_l >= 0, 1)
-                ok_p = gl.expand_dims(s_p >= 0, 1)
-                _async_load(kv_l.index(st), at_l, mask=ok_l)
-                _async_load(kv_r.index(st), at_l + CH, mask=ok_l)
-                _async_load(kv_pe.index(st), at_p, mask=ok_p)
-                async_copy.mbarrier_arrive(ready.index(st), increment_count=False)  # each thread, once its copies land
+            _async_load(kv_l.index(st), at_l, mask=ok_l)
+            _async_load(kv_r.index(st), at_l + CH, mask=ok_l)
+            _async_load(kv_pe.index(st), at_p, mask=ok_p)
+            async_copy.mbarrier_arrive(ready.index(st), increment_count=False)   # each thread, once its copies land
 
     @gluon.jit
     def _mla_right(kv_r, p_s, alpha_s, inv_s, free, p_ready, p_free, done, O, head0, steps,
@@ -157,8 +129,9 @@ if gluon is not None:
             fence_async_shared()
             alpha = alpha_s.load(gl.SliceLayout(1, ACC))
             acc = acc * gl.expand_dims(alpha, 1)
-            acc = warpgroup_mma(p_s.index(0), kv_r.index(st).slice(0, 32), acc)
-            acc = warpgroup_mma(p_s.index(1), kv_r.index(st).slice(32, 32), acc)
+            acc = warpgroup_mma(p_s.index(0), kv_r.index(st).slice(0, 32), acc, is_async=True)
+            acc = warpgroup_mma(p_s.index(1), kv_r.index(st).slice(32, 32), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(p_free.index(0), count=1)
             mbarrier.arrive(free.index(st), count=1)
         mbarrier.wait(done.index(0), 0)                                # 1 / l
@@ -171,7 +144,7 @@ if gluon is not None:
     @gluon.jit
     def _mla_scores_left(q_l, q_r, q_pe, kv_l, kv_r, kv_pe, p_s, alpha_s, inv_s, ready, free, p_ready, p_free,
                          done, SEL, O, LSE, head0, hi, steps, qk_scale,
-                         C: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, PACKED: gl.constexpr):
+                         C: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr):
         """Consumer 0 (the default partition): scores, online softmax, o[:, :256]; then l, 1 / l, lse."""
         CH: gl.constexpr = C // 2
         HALF: gl.constexpr = BN // 2
@@ -181,8 +154,6 @@ if gluon is not None:
         m = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, S))
         l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S))
         zero = gl.zeros([BH, HALF], gl.float32, S)
-        l0 = zero                                                      # PACKED: l per head and column
-        l1 = zero
         rn = gl.arange(0, HALF, layout=gl.SliceLayout(0, S))
         for i in range(steps):
             st = i % 2
@@ -194,16 +165,15 @@ if gluon is not None:
             mbarrier.wait(ready.index(st), (i // 2) & 1)
             fence_async_shared()
             kl, kr, kp = kv_l.index(st), kv_r.index(st), kv_pe.index(st)
-            z0 = warpgroup_mma(q_l, kl.slice(0, HALF).permute((1, 0)), z0)            # q^C . c, columns 0..31
-            z1 = warpgroup_mma(q_l, kl.slice(HALF, HALF).permute((1, 0)), z1)         # columns 32..63
-            if PACKED:                                                 # the plain kernel's HALVES: a chain a half
-                z0 = z0 + warpgroup_mma(q_r, kr.slice(0, HALF).permute((1, 0)), zero)
-                z1 = z1 + warpgroup_mma(q_r, kr.slice(HALF, HALF).permute((1, 0)), zero)
-            else:
-                z0 = warpgroup_mma(q_r, kr.slice(0, HALF).permute((1, 0)), z0)
-                z1 = warpgroup_mma(q_r, kr.slice(HALF, HALF).permute((1, 0)), z1)
-            r0 = warpgroup_mma(q_pe, kp.slice(0, HALF).permute((1, 0)), zero)         # q^R . k^R
-            r1 = warpgroup_mma(q_pe, kp.slice(HALF, HALF).permute((1, 0)), zero)
+            # the score MMAs, issued together and waited for once: q^C . c as one chain from the mask
+            # (columns 0..31 and 32..63: the plain kernel's two warpgroups' halves), q^R . k^R from 0
+            z0 = warpgroup_mma(q_l, kl.slice(0, HALF).permute((1, 0)), z0, is_async=True)
+            z1 = warpgroup_mma(q_l, kl.slice(HALF, HALF).permute((1, 0)), z1, is_async=True)
+            z0 = warpgroup_mma(q_r, kr.slice(0, HALF).permute((1, 0)), z0, is_async=True)
+            z1 = warpgroup_mma(q_r, kr.slice(HALF, HALF).permute((1, 0)), z1, is_async=True)
+            r0 = warpgroup_mma(q_pe, kp.slice(0, HALF).permute((1, 0)), zero, is_async=True)
+            r1 = warpgroup_mma(q_pe, kp.slice(HALF, HALF).permute((1, 0)), zero, is_async=True)
+            z0, z1, r0, r1 = warpgroup_mma_wait(0, deps=[z0, z1, r0, r1])
             z0 = (z0 + r0) * qk_scale                                  # qk_scale = softmax scale * log2(e)
             z1 = (z1 + r1) * qk_scale
             m_new = gl.maximum(m, gl.maximum(gl.max(z0, 1), gl.max(z1, 1)))
@@ -211,11 +181,7 @@ if gluon is not None:
             p0 = gl.exp2(z0 - gl.expand_dims(m_safe, 1))
             p1 = gl.exp2(z1 - gl.expand_dims(m_safe, 1))
             alpha = gl.exp2(m - m_safe)
-            if PACKED:                                                 # its LATE_SUM: l per head and column
-                l0 = l0 * gl.expand_dims(alpha, 1) + p0
-                l1 = l1 * gl.expand_dims(alpha, 1) + p1
-            else:
-                l = l * alpha + (gl.sum(p0, 1) + gl.sum(p1, 1))        # the plain kernel's two warpgroups' sums
+            l = l * alpha + (gl.sum(p0, 1) + gl.sum(p1, 1))            # the plain kernel's two warpgroups' sums
             mbarrier.wait(p_free.index(0), (i & 1) ^ 1)                # consumer 1 has taken step i - 1's
             p_s.index(0).store(p0.to(gl.bfloat16))
             p_s.index(1).store(p1.to(gl.bfloat16))
@@ -223,12 +189,11 @@ if gluon is not None:
             fence_async_shared()
             mbarrier.arrive(p_ready.index(0), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, ACC)), 1)
-            acc = warpgroup_mma(p_s.index(0), kl.slice(0, HALF), acc)               # o[:, :256] += p c
-            acc = warpgroup_mma(p_s.index(1), kl.slice(HALF, HALF), acc)
+            acc = warpgroup_mma(p_s.index(0), kl.slice(0, HALF), acc, is_async=True)  # o[:, :256] += p c
+            acc = warpgroup_mma(p_s.index(1), kl.slice(HALF, HALF), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(free.index(st), count=1)
             m = m_new
-        if PACKED:
-            l = gl.sum(l0, 1) + gl.sum(l1, 1)
         inv = 1.0 / gl.where(l > 0, l, 1.0)
         lse = gl.where(l > 0, m + gl.log2(gl.where(l > 0, l, 1.0)), float("-inf"))
         inv_s.store(inv)
@@ -242,13 +207,11 @@ if gluon is not None:
         gl.store(at, (acc * gl.expand_dims(inv_a, 1)).to(O.dtype.element_ty))
 
     @gluon.jit
-    def _sparse_mla_prefill_kernel(QA, QPE, KV, K8, KS, IDX, POS, O, LSE, T, H, KSEL, L, qk_scale,
+    def _sparse_mla_prefill_kernel(QA, QPE, KV, IDX, POS, O, LSE, T, H, KSEL, L, qk_scale,
                                    C: gl.constexpr, R: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                                   PACKED: gl.constexpr, PDL: gl.constexpr = False):
-        """Reference: kernels_cuda._sparse_mla_kernel with one split, bit for bit: bf16 rows with its
-        defaults for them (HALVES, LATE_SUM, CLAMP off), or packed FP8 rows (PACKED: KV, K8 and KS the
-        cache as 16-bit words, e4m3 codes and float32 words) with its defaults for those (all three
-        on). One program per (query token, 64 heads)."""
+                                   PDL: gl.constexpr = False):
+        """Reference: kernels_cuda._sparse_mla_kernel with one split and its defaults for bf16 rows
+        (HALVES, LATE_SUM and CLAMP off), bit for bit. One program per (query token, 64 heads)."""
         _await_inputs(PDL)
         CH: gl.constexpr = C // 2
         bt, hb = gl.program_id(0), gl.program_id(1)
@@ -282,40 +245,33 @@ if gluon is not None:
         p_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(2):
-            mbarrier.init(ready.index(st), count=1 if PACKED else 128)  # the producer, or its 128 threads' copies
+            mbarrier.init(ready.index(st), count=128)                  # the producer's 128 threads' copies
             mbarrier.init(free.index(st), count=2)                     # both consumers
         mbarrier.init(p_ready.index(0), count=1)
         mbarrier.init(p_free.index(0), count=1)
         mbarrier.init(done.index(0), count=1)
         fence_async_shared()
-        W: gl.constexpr = C + 4 * (C // 128) + 2 * R if PACKED else 2 * (C + R)   # bytes a row
-        KV += b.to(gl.int64) * L * (W // 2)                            # this sequence's rows
-        K8 += b.to(gl.int64) * L * W
-        KS += b.to(gl.int64) * L * (W // 4)
+        KV += b.to(gl.int64) * L * (C + R)                             # this sequence's rows
         SEL = IDX + bt.to(gl.int64) * KSEL                             # this query's selected positions
         gl.warp_specialize([
             (_mla_scores_left, (q_l, q_r, q_pe, kv_l, kv_r, kv_pe, p_s, alpha_s, inv_s, ready, free, p_ready,
-                                p_free, done, SEL, O, LSE, head0, hi, steps, qk_scale, C, BH, BN, PACKED)),
+                                p_free, done, SEL, O, LSE, head0, hi, steps, qk_scale, C, BH, BN)),
             (_mla_right, (kv_r, p_s, alpha_s, inv_s, free, p_ready, p_free, done, O, head0, steps, C, BH)),
-            (_mla_gather, (kv_l, kv_r, kv_pe, ready, free, KV, K8, KS, SEL, hi, steps, C, R, BN, PACKED)),
-        ], [4, 4], [168, 80])
+            (_mla_gather, (kv_l, kv_r, kv_pe, ready, free, KV, SEL, hi, steps, C, R, BN)),
+        ], [4, 4], [168, 96])
 
 
 def sparse_mla_prefill(qa, q_pe, cache, idx, scale, pos, out_dtype=torch.bfloat16):
     """kernels_cuda.sparse_mla_prefill's contract for what takes(...) accepts, the first query's position
     as an integer [1] tensor on the device -> (o [B, T, H, C], lse [B, T, H])."""
     B, T, H, C = qa.shape
-    L, packed = cache.shape[1], cache.dtype == torch.uint8
     if not takes(qa, q_pe, cache, idx, 1):
         raise ValueError(f"kernels_hopper.sparse_mla_prefill: qa {tuple(qa.shape)} {qa.dtype}, q_pe {tuple(q_pe.shape)} "
                          f"{q_pe.dtype}, cache {tuple(cache.shape)} {cache.dtype} on {qa.device} is not what it takes")
-    cache = cache.contiguous()
-    kv, k8, ks = ((cache.view(torch.bfloat16), cache.view(torch.float8_e4m3fn), cache.view(torch.float32)) if packed
-                  else (cache, cache, cache))
     o = torch.empty(B * T, H, C, dtype=out_dtype, device=qa.device)
     lse = torch.empty(B * T, H, dtype=torch.float32, device=qa.device)
     _sparse_mla_prefill_kernel[(B * T, H // BLOCK_H)](
-        qa.contiguous(), q_pe.contiguous(), kv, k8, ks, idx.to(torch.int32).contiguous(), pos, o, lse,
-        T, H, idx.shape[-1], L, scale * 1.4426950408889634, C=C, R=q_pe.shape[-1], BH=BLOCK_H, BN=BLOCK_N,
-        PACKED=packed, num_warps=4, maxnreg=168, **pdl())
+        qa.contiguous(), q_pe.contiguous(), cache.contiguous(), idx.to(torch.int32).contiguous(), pos, o, lse,
+        T, H, idx.shape[-1], cache.shape[1], scale * 1.4426950408889634, C=C, R=q_pe.shape[-1], BH=BLOCK_H,
+        BN=BLOCK_N, num_warps=4, maxnreg=168, **pdl())
     return o.reshape(B, T, H, C), lse.reshape(B, T, H)
