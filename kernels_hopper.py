@@ -14,10 +14,13 @@ something plain Triton cannot say: warpgroups doing different work at once (warp
 
 The plain-Triton kernel stays: it is what the interpreter tests in CI and what every other GPU runs.
 This one computes the same operations in the same order, so its bits equal the plain kernel's on an
-H200 (tests/test_kernels.py, GPU only): the score tile as two 32-column halves (the plain kernel's
-two warpgroups' halves: the same wgmma shapes, the same sums of p), each half's K chain as the plain
-kernel's (q^C against the latent, 32 k-steps, from the 0 / -inf mask; q^R against the rope part from
-0; their sum), the value MMA's accumulator alpha * o as it folds it, and o / l with the same division.
+H200 (tests/test_kernels.py, GPU only): q^C against the latent as one chain of 32 k-steps from the
+0 / -inf mask, q^R against the rope part from 0, their sum, scaled (the plain kernel's two warpgroups
+run 32 of the 64 columns each; one warpgroup runs them all here, with the same products and sums per
+element); the sum of p as the plain kernel forms it, each 32-column half summed and then the two (the
+other half's entries masked to zeros, which adds nothing exactly); the value MMA from alpha * o, as
+the plain kernel folds it; o / l with the same division. Measured (bench/RESULTS.md): 1.5-1.6x the
+plain kernel, 0.93-1.17x TileLang's pipelined kernel side by side.
 `available(device)` says where it runs: an NVIDIA GPU of compute capability 9.x with a Triton that has
 Gluon's Hopper API; kernels_cuda.sparse_mla_prefill calls it there for the shapes it takes
 (`takes(...)`), and the plain kernel otherwise.
@@ -25,7 +28,6 @@ Gluon's Hopper API; kernels_cuda.sparse_mla_prefill calls it there for the shape
 import functools
 
 import torch
-import triton
 
 try:                                                   # Gluon: Triton 3.5 and later
     from triton.experimental import gluon
@@ -37,7 +39,7 @@ try:                                                   # Gluon: Triton 3.5 and l
 except ImportError:                                    # no Gluon: the plain kernel everywhere
     gluon = None
 
-from kernels_fp8 import pdl
+from kernels_fp8 import _interpreted, pdl
 
 USE_GLUON = True                                       # False: kernels_cuda's plain kernel on Hopper too
 
@@ -54,11 +56,6 @@ def available(device):
     device = torch.device(device)
     return (USE_GLUON and gluon is not None and device.type == "cuda" and not _interpreted()
             and _hopper(device.index if device.index is not None else torch.cuda.current_device()))
-
-
-def _interpreted():
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def takes(qa, q_pe, cache, idx, splits):
@@ -84,7 +81,8 @@ if gluon is not None:
     # -------------------------------------------------------------------------
     # sparse MLA prefill, warp-specialised. Shared memory (bf16): q^C [64, 512] as two 256-column
     # halves, q^R [64, 64], two stages of gathered rows (latent halves [64, 256] x 2, rope [64, 64]),
-    # p as two [64, 32] halves, alpha and 1 / l [64] in float32: 225 KB of the H200's 227.
+    # p [64, 64], alpha and 1 / l [64] in float32: 225 KB of the H200's 227. Registers (of 168 a thread
+    # on average): consumer 0 240 (o's half, the score tile), consumer 1 168, the producer 96.
 
     @gluon.jit
     def _mla_gather(kv_l, kv_r, kv_pe, ready, free, KV, SEL, hi, steps,
@@ -129,8 +127,7 @@ if gluon is not None:
             fence_async_shared()
             alpha = alpha_s.load(gl.SliceLayout(1, ACC))
             acc = acc * gl.expand_dims(alpha, 1)
-            acc = warpgroup_mma(p_s.index(0), kv_r.index(st).slice(0, 32), acc, is_async=True)
-            acc = warpgroup_mma(p_s.index(1), kv_r.index(st).slice(32, 32), acc, is_async=True)
+            acc = warpgroup_mma(p_s, kv_r.index(st), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(p_free.index(0), count=1)
             mbarrier.arrive(free.index(st), count=1)
@@ -147,50 +144,40 @@ if gluon is not None:
                          C: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr):
         """Consumer 0 (the default partition): scores, online softmax, o[:, :256]; then l, 1 / l, lse."""
         CH: gl.constexpr = C // 2
-        HALF: gl.constexpr = BN // 2
-        S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+        S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CH, 16])
         acc = gl.zeros([BH, CH], gl.float32, ACC)
         m = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, S))
         l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S))
-        zero = gl.zeros([BH, HALF], gl.float32, S)
-        rn = gl.arange(0, HALF, layout=gl.SliceLayout(0, S))
-        for i in range(steps):
+        zero = gl.zeros([BH, BN], gl.float32, S)
+        rn = gl.arange(0, BN, layout=gl.SliceLayout(0, S))
+        first = gl.expand_dims(rn < BN // 2, 0)                        # columns 0..31: the plain kernel's first
+        for i in range(steps):                                         # warpgroup's half of the score tile
             st = i % 2
-            n0 = i * BN
-            s0 = gl.load(SEL + n0 + rn, mask=n0 + rn < hi, other=-1)
-            s1 = gl.load(SEL + n0 + HALF + rn, mask=n0 + HALF + rn < hi, other=-1)
-            z0 = zero + gl.expand_dims(gl.where(s0 >= 0, 0.0, float("-inf")), 0)   # 0 / -inf: selected or not
-            z1 = zero + gl.expand_dims(gl.where(s1 >= 0, 0.0, float("-inf")), 0)
+            s = gl.load(SEL + i * BN + rn, mask=i * BN + rn < hi, other=-1)
+            z = zero + gl.expand_dims(gl.where(s >= 0, 0.0, float("-inf")), 0)   # 0 / -inf: selected or not
             mbarrier.wait(ready.index(st), (i // 2) & 1)
             fence_async_shared()
             kl, kr, kp = kv_l.index(st), kv_r.index(st), kv_pe.index(st)
-            # the score MMAs, issued together and waited for once: q^C . c as one chain from the mask
-            # (columns 0..31 and 32..63: the plain kernel's two warpgroups' halves), q^R . k^R from 0
-            z0 = warpgroup_mma(q_l, kl.slice(0, HALF).permute((1, 0)), z0, is_async=True)
-            z1 = warpgroup_mma(q_l, kl.slice(HALF, HALF).permute((1, 0)), z1, is_async=True)
-            z0 = warpgroup_mma(q_r, kr.slice(0, HALF).permute((1, 0)), z0, is_async=True)
-            z1 = warpgroup_mma(q_r, kr.slice(HALF, HALF).permute((1, 0)), z1, is_async=True)
-            r0 = warpgroup_mma(q_pe, kp.slice(0, HALF).permute((1, 0)), zero, is_async=True)
-            r1 = warpgroup_mma(q_pe, kp.slice(HALF, HALF).permute((1, 0)), zero, is_async=True)
-            z0, z1, r0, r1 = warpgroup_mma_wait(0, deps=[z0, z1, r0, r1])
-            z0 = (z0 + r0) * qk_scale                                  # qk_scale = softmax scale * log2(e)
-            z1 = (z1 + r1) * qk_scale
-            m_new = gl.maximum(m, gl.maximum(gl.max(z0, 1), gl.max(z1, 1)))
+            # the score MMAs, issued together and waited for once: q^C . c as one chain from the mask, q^R . k^R from 0
+            z = warpgroup_mma(q_l, kl.permute((1, 0)), z, is_async=True)
+            z = warpgroup_mma(q_r, kr.permute((1, 0)), z, is_async=True)
+            r = warpgroup_mma(q_pe, kp.permute((1, 0)), zero, is_async=True)
+            z, r = warpgroup_mma_wait(0, deps=[z, r])
+            z = (z + r) * qk_scale                                     # qk_scale = softmax scale * log2(e)
+            m_new = gl.maximum(m, gl.max(z, 1))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)     # nothing valid yet: no NaN
-            p0 = gl.exp2(z0 - gl.expand_dims(m_safe, 1))
-            p1 = gl.exp2(z1 - gl.expand_dims(m_safe, 1))
+            p = gl.exp2(z - gl.expand_dims(m_safe, 1))
             alpha = gl.exp2(m - m_safe)
-            l = l * alpha + (gl.sum(p0, 1) + gl.sum(p1, 1))            # the plain kernel's two warpgroups' sums
+            # the sum of p as the plain kernel adds it: each half's, then the two (adding zeros is exact)
+            l = l * alpha + (gl.sum(gl.where(first, p, 0.0), 1) + gl.sum(gl.where(first, 0.0, p), 1))
             mbarrier.wait(p_free.index(0), (i & 1) ^ 1)                # consumer 1 has taken step i - 1's
-            p_s.index(0).store(p0.to(gl.bfloat16))
-            p_s.index(1).store(p1.to(gl.bfloat16))
+            p_s.store(p.to(gl.bfloat16))
             alpha_s.store(alpha)
             fence_async_shared()
             mbarrier.arrive(p_ready.index(0), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, ACC)), 1)
-            acc = warpgroup_mma(p_s.index(0), kl.slice(0, HALF), acc, is_async=True)  # o[:, :256] += p c
-            acc = warpgroup_mma(p_s.index(1), kl.slice(HALF, HALF), acc, is_async=True)
+            acc = warpgroup_mma(p_s, kl, acc, is_async=True)           # o[:, :256] += p c
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(free.index(st), count=1)
             m = m_new
@@ -221,7 +208,6 @@ if gluon is not None:
         head0 = bt.to(gl.int64) * H + hb * BH                          # this program's first (token, head) row
         # q^C and q^R -> shared memory (the default warpgroup, before the split)
         BIG: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        SMALL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         rh = gl.arange(0, BH, layout=gl.SliceLayout(1, LD))
         rc = gl.arange(0, CH, layout=gl.SliceLayout(0, LD))
@@ -229,13 +215,12 @@ if gluon is not None:
         at = QA + gl.expand_dims((head0 + rh) * C, 1) + gl.expand_dims(rc, 0)
         q_l = gl.allocate_shared_memory(gl.bfloat16, [BH, CH], BIG, gl.load(at))
         q_r = gl.allocate_shared_memory(gl.bfloat16, [BH, CH], BIG, gl.load(at + CH))
-        q_pe = gl.allocate_shared_memory(gl.bfloat16, [BH, R], BIG,            # (float32 q^R: bf16 values)
-                                         gl.load(QPE + gl.expand_dims((head0 + rh) * R, 1)
-                                                 + gl.expand_dims(rr, 0)).to(gl.bfloat16))
+        q_pe = gl.allocate_shared_memory(gl.bfloat16, [BH, R], BIG,
+                                         gl.load(QPE + gl.expand_dims((head0 + rh) * R, 1) + gl.expand_dims(rr, 0)))
         kv_l = gl.allocate_shared_memory(gl.bfloat16, [2, BN, CH], BIG)
         kv_r = gl.allocate_shared_memory(gl.bfloat16, [2, BN, CH], BIG)
         kv_pe = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], BIG)
-        p_s = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BN // 2], SMALL)
+        p_s = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], BIG)
         ROW: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         alpha_s = gl.allocate_shared_memory(gl.float32, [BH], ROW)
         inv_s = gl.allocate_shared_memory(gl.float32, [BH], ROW)
