@@ -1020,10 +1020,9 @@ def _mla_combine_kernel(O_PART, LSE_PART, O, LSE, POS, T, H, SPLITS, SPLIT, KSEL
 ROW32_LIMIT = 2 ** 31                                  # cache elements a sequence can hold with 32-bit row offsets
 
 
-def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, block_h, block_n, num_warps,
-                num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp):
+def _check_mla(qa, q_pe, cache, idx):  # the shapes both sparse MLA paths (and kernels_hopper's) rely on
     B, T, H, C = qa.shape
-    R, L = q_pe.shape[-1], cache.shape[1]
+    R = q_pe.shape[-1]
     packed = cache.dtype == torch.uint8
     width = latent_width(C, R) if packed else C + R
     if q_pe.shape[:3] != (B, T, H) or cache.shape[0] < B or cache.shape[2] != width:
@@ -1035,6 +1034,15 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
         raise ValueError(f"sparse_mla: latent {C} and rope {R} widths must be powers of two (C >= 32, R >= 16)")
     if idx is not None and (idx.shape[:2] != (B, T) or idx.dim() != 3):
         raise ValueError(f"sparse_mla: idx {tuple(idx.shape)} is not [B, T, K] for B={B}, T={T}")
+
+
+def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, block_h, block_n, num_warps,
+                num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp):
+    _check_mla(qa, q_pe, cache, idx)
+    B, T, H, C = qa.shape
+    R, L = q_pe.shape[-1], cache.shape[1]
+    packed = cache.dtype == torch.uint8
+    width = latent_width(C, R) if packed else C + R
     cache = cache.contiguous()
     if packed:
         c8 = cache if decode else cache.view(FP8)
@@ -1106,19 +1114,28 @@ def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=Non
                        out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp)
 
 
+PREFILL_TILES = dict(block_h=None, block_n=64, num_warps=8, num_stages=2, q_in_loop=True, halves=None, late_sum=None,
+                     ahead=False, clamp=False)                         # sparse_mla_prefill's defaults
+
+
 def sparse_mla_prefill(qa, q_pe, cache, idx, scale, start_pos, S=None, out_dtype=torch.bfloat16,
                        block_h=None, block_n=64, num_warps=8, num_stages=2, decode=False, q_in_loop=True,
                        halves=None, late_sum=None, ahead=False, clamp=False, hopper=None):
     """sparse_mla_decode's arguments for a chunk of many queries: one program per (query, block of
     heads) over its whole selected set, the output written directly in out_dtype (no combine).
-    hopper (None: where it takes the call) = kernels_hopper's warp-specialised variant, the same bits as
-    this kernel with its default tiles (the tile arguments are then unused); False: this kernel.
+    hopper (None: where it takes the call and the tiles are the defaults) = kernels_hopper's
+    warp-specialised variant, the same bits as this kernel with its default tiles; False: this kernel.
     Reference: attention.mqa_absorbed_ref, as sparse_mla_decode."""
-    if hopper is not False and not decode and kernels_hopper.takes(qa, q_pe, cache, idx, 1):
+    tiles = dict(block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages, q_in_loop=q_in_loop,
+                 halves=halves, late_sum=late_sum, ahead=ahead, clamp=clamp)
+    _check_mla(qa, q_pe, cache, idx)
+    variant = hopper is not False and not decode and tiles == PREFILL_TILES
+    if variant and kernels_hopper.takes(qa, q_pe, cache, idx):
         return kernels_hopper.sparse_mla_prefill(qa, q_pe, cache, idx, scale, _pos_tensor(start_pos, qa.device),
                                                   out_dtype=out_dtype)
     if hopper:
-        raise ValueError("sparse_mla_prefill: hopper=True, but kernels_hopper does not take this call "
-                         "(a Hopper GPU with Gluon, bf16 rows of 512 + 64 values, bf16 queries, heads in 64s)")
+        raise ValueError("sparse_mla_prefill: hopper=True, but kernels_hopper does not take this call (it needs a "
+                         "Hopper GPU with Gluon, bf16 rows of 512 + 64 values, bf16 queries, heads in 64s, a "
+                         "selection, no decode and the default tiles)")
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], 1,
                        out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp)

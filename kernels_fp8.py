@@ -24,7 +24,8 @@ _bf16_round from here.
     add_rms_norm  the residual add before it, in the same launch, the sum rounded out as well
                                              reference: model.Transformer._norm's steps
 
-Every kernel here and in kernels_cuda.py, kernels_moe.py and kernels_v4.py begins with _await_inputs(PDL),
+Every kernel here and in kernels_cuda.py, kernels_moe.py, kernels_v4.py and kernels_hopper.py (Gluon's
+form of it there) begins with _await_inputs(PDL),
 and every launch passes **pdl(): programmatic dependent launch on Hopper (below), the same bits.
 
 Every kernel is shared with kernels_rocm.py: what differs by architecture (the FP8 flavour and its

@@ -3,11 +3,12 @@ something plain Triton cannot say: warpgroups doing different work at once (warp
 
     sparse_mla_prefill   kernels_cuda.sparse_mla_prefill for a bf16 cache of C = 512 latent and
                          R = 64 rope values a row, 64 heads a program, three warpgroups:
-                           producer    gathers the next selected rows into one of two shared buffers
-                                       (cp.async; unselected rows are zero-filled)
-                           consumer 0  the scores z = q^C . c + q^R . k^R (wgmma), the online softmax,
-                                       p and alpha to shared memory, o[:, :256] = alpha o + p c[:, :256]
-                           consumer 1  o[:, 256:] = alpha o + p c[:, 256:]
+                           producer (_mla_gather)        gathers the next selected rows into one of two
+                                                         shared buffers (cp.async; unselected rows zero-filled)
+                           consumer 0 (_mla_scores_left, the scores z = q^C . c + q^R . k^R (wgmma), the
+                             the default partition)      online softmax, p and alpha to shared memory,
+                                                         o[:, :256] = alpha o + p c[:, :256]
+                           consumer 1 (_mla_right)       o[:, 256:] = alpha o + p c[:, 256:]
                          so the gather, the score MMA and half the value MMA of different steps overlap
                          (the split of FlashMLA's and TileLang's pipelined kernels, written here anew).
                                                                   reference: kernels_cuda._sparse_mla_kernel
@@ -19,8 +20,8 @@ H200 (tests/test_kernels.py, GPU only): q^C against the latent as one chain of 3
 run 32 of the 64 columns each; one warpgroup runs them all here, with the same products and sums per
 element); the sum of p as the plain kernel forms it, each 32-column half summed and then the two (the
 other half's entries masked to zeros, which adds nothing exactly); the value MMA from alpha * o, as
-the plain kernel folds it; o / l with the same division. Measured (bench/RESULTS.md): 1.5-1.6x the
-plain kernel, 0.93-1.17x TileLang's pipelined kernel side by side.
+the plain kernel folds it; o / l with the same division. Measured on an H200 (bench/RESULTS.md): 1.37-1.58x
+the plain kernel and 0.93-1.17x TileLang's pipelined kernel side by side.
 `available(device)` says where it runs: an NVIDIA GPU of compute capability 9.x with a Triton that has
 Gluon's Hopper API; kernels_cuda.sparse_mla_prefill calls it there for the shapes it takes
 (`takes(...)`), and the plain kernel otherwise.
@@ -29,14 +30,17 @@ import functools
 
 import torch
 
-try:                                                   # Gluon: Triton 3.5 and later
+try:                                                   # Gluon as in Triton 3.6 to 3.9 (checked with both)
+    import inspect
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # 3.9 / 3.6
-except ImportError:                                    # no Gluon: the plain kernel everywhere
+    if "functions_and_args" not in inspect.signature(gl.warp_specialize).parameters:   # 3.5's older form
+        raise ImportError("gl.warp_specialize takes another form")
+except (ImportError, AttributeError):                  # no Gluon, or another one: the plain kernel everywhere
     gluon = None
 
 from kernels_fp8 import _interpreted, pdl
@@ -58,13 +62,13 @@ def available(device):
             and _hopper(device.index if device.index is not None else torch.cuda.current_device()))
 
 
-def takes(qa, q_pe, cache, idx, splits):
-    """Whether sparse_mla_prefill here takes this call: bf16 rows of C_MLA latent and R_MLA rope values,
-    bf16 queries, heads in blocks of 64, a selection given, one split, a sequence's rows within 32-bit
-    offsets. (The model's own caches are packed FP8 or float32: kernels_cuda's kernel reads those.)"""
-    B, T, H, C = qa.shape
-    R = q_pe.shape[-1]
-    return (available(qa.device) and idx is not None and splits == 1 and cache.dtype == torch.bfloat16
+def takes(qa, q_pe, cache, idx):
+    """Whether sparse_mla_prefill here takes this call (shapes checked by kernels_cuda._check_mla): bf16
+    rows of C_MLA latent and R_MLA rope values, bf16 queries, heads in blocks of 64, a selection given,
+    a sequence's rows within 32-bit offsets. (The model's own caches are packed FP8 or float32:
+    kernels_cuda's kernel reads those.)"""
+    H, C, R = qa.shape[2], qa.shape[3], q_pe.shape[-1]
+    return (available(qa.device) and idx is not None and cache.dtype == torch.bfloat16
             and qa.dtype == torch.bfloat16 and q_pe.dtype == torch.bfloat16 and cache.dim() == 3
             and C == C_MLA and R == R_MLA and cache.shape[2] == C + R and H % BLOCK_H == 0
             and cache.shape[1] * (C + R) < 2 ** 31)
@@ -87,31 +91,32 @@ if gluon is not None:
     @gluon.jit
     def _mla_gather(kv_l, kv_r, kv_pe, ready, free, KV, SEL, hi, steps,
                     C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr):
-        """Producer warpgroup: step i's selected rows -> stage i % 2 (cp.async, unselected rows zero-filled)."""
+        """Producer warpgroup: step i's selected rows -> stage i % 2 (c_rope.async, unselected rows zero-filled)."""
         CH: gl.constexpr = C // 2
         LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])   # [4, 256] a pass: 16 B a thread
         ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # [16, 64] a pass
-        n_l = gl.arange(0, BN, layout=gl.SliceLayout(1, LAT))
-        n_p = gl.arange(0, BN, layout=gl.SliceLayout(1, ROPE))
-        cl = gl.arange(0, CH, layout=gl.SliceLayout(0, LAT))
-        cp = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE))
-        s_l_next = gl.load(SEL + n_l, mask=n_l < hi, other=-1)         # selected positions (-1: none), each
-        s_p_next = gl.load(SEL + n_p, mask=n_p < hi, other=-1)         # step's loaded one step early
+        n_lat = gl.arange(0, BN, layout=gl.SliceLayout(1, LAT))
+        n_rope = gl.arange(0, BN, layout=gl.SliceLayout(1, ROPE))
+        c_lat = gl.arange(0, CH, layout=gl.SliceLayout(0, LAT))
+        c_rope = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE))
+        s_lat_next = gl.load(SEL + n_lat, mask=n_lat < hi, other=-1)   # selected positions (-1: none), each
+        s_rope_next = gl.load(SEL + n_rope, mask=n_rope < hi, other=-1)  # step's loaded one step early
         for i in range(steps):
             st = i % 2
-            s_l, s_p = s_l_next, s_p_next
-            n_l += BN
-            n_p += BN
-            s_l_next = gl.load(SEL + n_l, mask=n_l < hi, other=-1)
-            s_p_next = gl.load(SEL + n_p, mask=n_p < hi, other=-1)
-            at_l = KV + gl.expand_dims(gl.where(s_l >= 0, s_l, 0) * (C + R), 1) + gl.expand_dims(cl, 0)
-            at_p = KV + gl.expand_dims(gl.where(s_p >= 0, s_p, 0) * (C + R), 1) + C + gl.expand_dims(cp, 0)
-            ok_l = gl.expand_dims(s_l >= 0, 1)
-            ok_p = gl.expand_dims(s_p >= 0, 1)
+            s_lat, s_rope = s_lat_next, s_rope_next
+            n_lat += BN
+            n_rope += BN
+            s_lat_next = gl.load(SEL + n_lat, mask=n_lat < hi, other=-1)
+            s_rope_next = gl.load(SEL + n_rope, mask=n_rope < hi, other=-1)
+            at_lat = KV + gl.expand_dims(gl.where(s_lat >= 0, s_lat, 0) * (C + R), 1) + gl.expand_dims(c_lat, 0)
+            at_rope = (KV + gl.expand_dims(gl.where(s_rope >= 0, s_rope, 0) * (C + R), 1) + C
+                       + gl.expand_dims(c_rope, 0))
+            ok_lat = gl.expand_dims(s_lat >= 0, 1)
+            ok_rope = gl.expand_dims(s_rope >= 0, 1)
             mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)          # both consumers are done with it
-            _async_load(kv_l.index(st), at_l, mask=ok_l)
-            _async_load(kv_r.index(st), at_l + CH, mask=ok_l)
-            _async_load(kv_pe.index(st), at_p, mask=ok_p)
+            _async_load(kv_l.index(st), at_lat, mask=ok_lat)
+            _async_load(kv_r.index(st), at_lat + CH, mask=ok_lat)
+            _async_load(kv_pe.index(st), at_rope, mask=ok_rope)
             async_copy.mbarrier_arrive(ready.index(st), increment_count=False)   # each thread, once its copies land
 
     @gluon.jit
@@ -123,7 +128,8 @@ if gluon is not None:
         acc = gl.zeros([BH, CH], gl.float32, ACC)
         for i in range(steps):
             st = i % 2
-            mbarrier.wait(p_ready.index(0), i & 1)                     # p and alpha of step i
+            mbarrier.wait(p_ready.index(0), i & 1)                     # p and alpha of step i (consumer 0
+                                                                           # waited for the stage's rows before)
             fence_async_shared()
             alpha = alpha_s.load(gl.SliceLayout(1, ACC))
             acc = acc * gl.expand_dims(alpha, 1)
@@ -250,7 +256,7 @@ def sparse_mla_prefill(qa, q_pe, cache, idx, scale, pos, out_dtype=torch.bfloat1
     """kernels_cuda.sparse_mla_prefill's contract for what takes(...) accepts, the first query's position
     as an integer [1] tensor on the device -> (o [B, T, H, C], lse [B, T, H])."""
     B, T, H, C = qa.shape
-    if not takes(qa, q_pe, cache, idx, 1):
+    if not takes(qa, q_pe, cache, idx):
         raise ValueError(f"kernels_hopper.sparse_mla_prefill: qa {tuple(qa.shape)} {qa.dtype}, q_pe {tuple(q_pe.shape)} "
                          f"{q_pe.dtype}, cache {tuple(cache.shape)} {cache.dtype} on {qa.device} is not what it takes")
     o = torch.empty(B * T, H, C, dtype=out_dtype, device=qa.device)

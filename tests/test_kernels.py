@@ -888,11 +888,11 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
 
 @gpu
 @settings(max_examples=16, deadline=None)
-@given(st.integers(1, 2), st.integers(1, 40), st.sampled_from([64, 128]), st.integers(1, 3000),
+@given(st.integers(1, 2), st.integers(1, 40), st.sampled_from([64, 128]), st.integers(1, 3000), st.integers(0, 3000),
        st.sampled_from([1, 40, 64, 100, 512, 2048]), st.sampled_from([torch.bfloat16, torch.float32]),
        st.integers(0, 2 ** 31))
-@example(1, 33, 128, 2500, 2048, torch.bfloat16, 0)            # many 64-entry steps: both stages reused
-def test_sparse_mla_prefill_hopper_equals_the_plain_kernel(B, T, H, L, K, out_dtype, seed):
+@example(1, 33, 128, 2500, 2000, 2048, torch.bfloat16, 0)      # 32 steps of 64 entries: both stages reused
+def test_sparse_mla_prefill_hopper_equals_the_plain_kernel(B, T, H, L, past, K, out_dtype, seed):
     """kernels_hopper's warp-specialised sparse MLA prefill (Gluon) against the plain-Triton kernel it
     replaces on Hopper, with that kernel's default tiles: the same outputs and log-sum-exps bit for bit,
     at V3.2-Exp's widths (C = 512, R = 64), for selections with -1 padding, rows with nothing selected,
@@ -902,7 +902,7 @@ def test_sparse_mla_prefill_hopper_equals_the_plain_kernel(B, T, H, L, K, out_dt
         pytest.skip("kernels_hopper runs on a Hopper GPU with Triton's Gluon")
     g = torch.Generator(device=DEV).manual_seed(seed)
     C, R = kernels_hopper.C_MLA, kernels_hopper.R_MLA
-    past = int(torch.randint(0, L, (1,), generator=g, device=DEV))
+    past = past % L                                            # the first query's position
     T = min(T, L - past)
     cache = (torch.randn(B, L, C + R, generator=g, device=DEV) * 2).bfloat16()
     qa = torch.randn(B, T, H, C, generator=g, device=DEV).bfloat16()
@@ -913,11 +913,17 @@ def test_sparse_mla_prefill_hopper_equals_the_plain_kernel(B, T, H, L, K, out_dt
             n = int(torch.randint(0, min(K, past + t + 1) + 1, (1,), generator=g, device=DEV))
             idx[b, t, :n] = torch.randperm(past + t + 1, generator=g, device=DEV)[:n].int()
     args = (qa, qp, cache, idx, 0.07, past)
-    assert kernels_hopper.takes(qa, qp, cache, idx, 1)
+    assert kernels_hopper.takes(qa, qp, cache, idx)
     o, lse = kernels_cuda.sparse_mla_prefill(*args, out_dtype=out_dtype, hopper=True)
     o_ref, lse_ref = kernels_cuda.sparse_mla_prefill(*args, out_dtype=out_dtype, hopper=False)
     assert torch.equal(lse, lse_ref)
     assert torch.equal(o, o_ref), f"{(o != o_ref).float().mean().item():.2%} of the outputs differ"
+    # the default dispatch takes the variant, with the position as a device tensor and int64 positions too
+    o_auto, _ = kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx.long(), 0.07, torch.tensor(past, device=DEV),
+                                                out_dtype=out_dtype)
+    assert torch.equal(o_auto, o)
+    with pytest.raises(ValueError, match="idx"):                # the plain kernel's shape checks hold here too
+        kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx[:, :0], 0.07, past, hopper=True)
 
 
 @settings(max_examples=16)
