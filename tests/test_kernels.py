@@ -886,6 +886,53 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
             assert np.abs(lse[b, t] - ref_lse).max() <= 1e-3 * max(1, np.abs(ref_lse).max())
 
 
+SM90_COMPILE = """
+import json, subprocess, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+import kernels_hopper as kh
+fn = kh._sparse_mla_prefill_kernel
+sig = dict(QA="*bf16", QPE="*bf16", KV="*bf16", IDX="*i32", POS="*i32", O="*bf16", LSE="*fp32",
+           T="i32", H="i32", KSEL="i32", L="i32", qk_scale="fp32")
+const = dict(C=kh.C_MLA, R=kh.R_MLA, BH=kh.BLOCK_H, BN=kh.BLOCK_N, PDL=True)
+src = GluonASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}},
+                     constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                     attrs={(i,): [["tt.divisibility", 16]] for i in range(7)})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=168))
+out = Path(sys.argv[1])
+(out / "k.ptx").write_text(k.asm["ptx"])
+from triton.backends.nvidia.compiler import get_ptxas                # the ptxas Triton uses for sm_90
+r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(out / "k.ptx"), "-o", str(out / "k.cubin")],
+                   capture_output=True, text=True, check=True)
+print(json.dumps(dict(shared=k.metadata.shared, ptxas=r.stdout + r.stderr)))
+"""
+
+
+def test_sparse_mla_prefill_hopper_compiles_for_sm90(tmp_path):
+    """kernels_hopper's Gluon kernel cannot run without a Hopper GPU, but it compiles anywhere: for sm_90
+    with the installed Triton, within an H100 / H200 block's 227 KB of shared memory, and (the ptxas
+    Triton ships and uses) without spilling registers. CI catches here a source or Triton change that breaks it.
+    (In a process of its own: under TRITON_INTERPRET=1 Gluon's functions are the interpreter's.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    import kernels_hopper
+    if kernels_hopper.gluon is None:
+        pytest.skip("this Triton has no Gluon of the form kernels_hopper uses")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(kernels_hopper.__file__).parent), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", SM90_COMPILE, str(tmp_path)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["shared"] <= 232448                                      # bytes a block may have on sm_90
+    assert " 0 bytes spill stores" in got["ptxas"], got["ptxas"]
+
+
 @gpu
 @settings(max_examples=16, deadline=None)
 @given(st.integers(1, 2), st.integers(1, 40), st.sampled_from([64, 128]), st.integers(1, 3000), st.integers(0, 3000),
