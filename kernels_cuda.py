@@ -1037,8 +1037,7 @@ def _check_mla(qa, q_pe, cache, idx):  # the shapes both sparse MLA paths (and k
 
 
 def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, block_h, block_n, num_warps,
-                num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp):
-    _check_mla(qa, q_pe, cache, idx)
+                num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp):  # (shapes checked by the caller)
     B, T, H, C = qa.shape
     R, L = q_pe.shape[-1], cache.shape[1]
     packed = cache.dtype == torch.uint8
@@ -1107,6 +1106,7 @@ def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=Non
     take bf16's, unmeasured.
     Reference: attention.mqa_absorbed_ref up to its weighted latent o (before W^UV), allowed = the
     selected positions (or, dense, the causal ones)."""
+    _check_mla(qa, q_pe, cache, idx)
     packed = cache.dtype == torch.uint8
     ahead = not packed if ahead is None else ahead
     clamp = packed if clamp is None else clamp

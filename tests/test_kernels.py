@@ -886,6 +886,19 @@ def test_sparse_mla_kernel(B, T, H, L, K, cache_fmt, dense, splits, seed):
             assert np.abs(lse[b, t] - ref_lse).max() <= 1e-3 * max(1, np.abs(ref_lse).max())
 
 
+def test_sparse_mla_refuses_shapes_that_do_not_fit():
+    """Both entry points (and so the Hopper variant behind the prefill one) check the shapes first."""
+    qa, qp = torch.zeros(1, 2, 16, 128, device=DEV), torch.zeros(1, 2, 16, 32, device=DEV)
+    cache, idx = torch.zeros(1, 8, 160, device=DEV), torch.zeros(1, 2, 4, dtype=torch.int32, device=DEV)
+    for fn in (kernels_cuda.sparse_mla_decode, kernels_cuda.sparse_mla_prefill):
+        with pytest.raises(ValueError, match="idx"):
+            fn(qa, qp, cache, idx[:, :1], 0.1, 0)                          # [B, 1, K] for two queries
+        with pytest.raises(ValueError, match="do not fit"):
+            fn(qa, qp[:, :, :8], cache, idx, 0.1, 0)                       # q^R for 8 heads of 16
+        with pytest.raises(ValueError, match="do not fit"):
+            fn(qa, qp, cache[..., :150], idx, 0.1, 0)                      # rows of another width
+
+
 SM90_COMPILE = """
 import json, subprocess, sys
 from pathlib import Path
