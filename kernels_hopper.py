@@ -129,7 +129,7 @@ if gluon is not None:
         for i in range(steps):
             st = i % 2
             mbarrier.wait(p_ready.index(0), i & 1)                     # p and alpha of step i (consumer 0
-                                                                           # waited for the stage's rows before)
+                                                                       # waited for the stage's rows before)
             fence_async_shared()
             alpha = alpha_s.load(gl.SliceLayout(1, ACC))
             acc = acc * gl.expand_dims(alpha, 1)
