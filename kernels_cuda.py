@@ -44,8 +44,10 @@ DSA kernels (DeepSeek Sparse Attention; the model calls them on a GPU through ba
     sparse_mla_prefill  float32), online softmax; decode splits the selected set and combines the
                         splits by log-sum-exp, prefill writes each query directly
                                                                     reference: attention.mqa_absorbed_ref
-    On Hopper, sparse_mla_prefill over a bf16 cache runs kernels_hopper's warp-specialised variant
-    (Gluon: a producer warpgroup gathers while two consumers compute), the same bits as the kernel here.
+    On Hopper, sparse_mla_prefill (and sparse_mla_decode where its set stays whole: B=64) over a bf16 or
+    packed FP8 cache runs kernels_hopper's warp-specialised variant (Gluon: a producer warpgroup gathers
+    and decodes while two consumers compute), the same bits as the kernel here with the latent whole
+    (halves=False, late_sum=False: bf16 rows' defaults; FP8 rows' are the halves).
 
 Every kernel is shared with kernels_rocm.py: what differs by architecture (the FP8 flavour
 and its maximum, whether FP8 is decoded by hand, tile sizes) arrives as constexpr arguments and
@@ -1061,8 +1063,8 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
     if splits is None:
         if dense:                                      # the walk's length is known only on the device: two
             splits = max(1, min(triton.cdiv(ksel, 128), triton.cdiv(2 * sm_count(qa.device), B * T * hb)))  # waves
-        else:                                          # one wave, at least 64 entries per split (H200 sweep)
-            splits = max(1, min(triton.cdiv(ksel, 64), sm_count(qa.device) // (B * T * hb), 32))
+        else:
+            splits = _default_splits(qa, idx, block_h)
     per = triton.cdiv(triton.cdiv(ksel, splits), block_n) * block_n
     splits = triton.cdiv(ksel, per)
     o = torch.empty(B * T, splits, H, C, dtype=out_dtype if splits == 1 else torch.float32, device=qa.device)
@@ -1085,9 +1087,34 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
     return o.reshape(B, T, H, C), lse.reshape(B, T, H)
 
 
+def _default_splits(qa, idx, block_h):  # a selection's splits: one wave, at least 64 entries each (H200 sweep)
+    B, T, H = qa.shape[:3]
+    hb = triton.cdiv(H, block_h or max(16, min(64, triton.next_power_of_2(H))))
+    return max(1, min(triton.cdiv(idx.shape[-1], 64), sm_count(qa.device) // (B * T * hb), 32))
+
+
+def _hopper_takes(hopper, defaults, qa, q_pe, cache, idx, name):
+    """Whether a sparse MLA call goes to kernels_hopper: hopper=None where it takes the call at the
+    default tiles, True there or a one-line error, False never."""
+    if hopper is False:
+        return False
+    if defaults and kernels_hopper.takes(qa, q_pe, cache, idx):
+        return True
+    if hopper:
+        raise ValueError(f"sparse_mla_{name}: hopper=True, but kernels_hopper does not take this call (it needs a "
+                         "Hopper GPU with Gluon, bf16 or packed FP8 rows of 512 + 64 values, bf16 or float32 "
+                         "queries, heads in 64s, a selection, no decode flag, the default tiles"
+                         + (" and the set whole: one split)" if name == "decode" else ")"))
+    return False
+
+
+DECODE_TILES = dict(block_h=None, block_n=64, num_warps=8, num_stages=None, q_in_loop=False, halves=None, late_sum=None,
+                    ahead=None, clamp=None)                            # sparse_mla_decode's defaults
+
+
 def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=None, out_dtype=torch.float32,
                       block_h=None, block_n=64, num_warps=8, num_stages=None, decode=False, q_in_loop=False,
-                      halves=None, late_sum=None, ahead=None, clamp=None):
+                      halves=None, late_sum=None, ahead=None, clamp=None, hopper=None):
     """qa [B, T, H, C] (the query absorbed into the latent space, q^C W^UK), q_pe [B, T, H, R], cache
     [>=B, L, W] one row per token (packed FP8 uint8 rows of latent_width(C, R) bytes, or bf16 / float32
     [C + R]), idx [B, T, K] selected positions or None (dense: every position <= start_pos + t, S
@@ -1104,9 +1131,18 @@ def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=Non
     -inf (row 0 is written before any query can attend, so it holds finite values). The defaults are
     the fastest on an H200 for FP8 and bf16 rows (bench/RESULTS.md); float32 rows (exact numerics)
     take bf16's, unmeasured.
+    hopper (None: where the set stays whole, kernels_hopper takes the call and the tiles are the
+    defaults) = kernels_hopper's warp-specialised variant: this kernel's bits with halves=False and
+    late_sum=False (for packed FP8 rows not the defaults: those differ); False: this kernel.
     Reference: attention.mqa_absorbed_ref up to its weighted latent o (before W^UV), allowed = the
     selected positions (or, dense, the causal ones)."""
     _check_mla(qa, q_pe, cache, idx)
+    tiles = dict(block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages, q_in_loop=q_in_loop,
+                 halves=halves, late_sum=late_sum, ahead=ahead, clamp=clamp)
+    whole = idx is not None and (splits == 1 or splits is None and _default_splits(qa, idx, block_h) == 1)
+    if _hopper_takes(hopper, whole and not decode and tiles == DECODE_TILES, qa, q_pe, cache, idx, "decode"):
+        return kernels_hopper.sparse_mla_prefill(qa, q_pe, cache, idx, scale, _pos_tensor(start_pos, qa.device),
+                                                  out_dtype=out_dtype)
     packed = cache.dtype == torch.uint8
     ahead = not packed if ahead is None else ahead
     clamp = packed if clamp is None else clamp
@@ -1124,18 +1160,14 @@ def sparse_mla_prefill(qa, q_pe, cache, idx, scale, start_pos, S=None, out_dtype
     """sparse_mla_decode's arguments for a chunk of many queries: one program per (query, block of
     heads) over its whole selected set, the output written directly in out_dtype (no combine).
     hopper (None: where it takes the call and the tiles are the defaults) = kernels_hopper's
-    warp-specialised variant, the same bits as this kernel with its default tiles; False: this kernel.
+    warp-specialised variant: this kernel's bits with halves=False and late_sum=False (for bf16 rows the
+    defaults; packed FP8 rows' defaults are the halves, other bits); False: this kernel.
     Reference: attention.mqa_absorbed_ref, as sparse_mla_decode."""
     tiles = dict(block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages, q_in_loop=q_in_loop,
                  halves=halves, late_sum=late_sum, ahead=ahead, clamp=clamp)
     _check_mla(qa, q_pe, cache, idx)
-    variant = hopper is not False and not decode and tiles == PREFILL_TILES
-    if variant and kernels_hopper.takes(qa, q_pe, cache, idx):
+    if _hopper_takes(hopper, not decode and tiles == PREFILL_TILES, qa, q_pe, cache, idx, "prefill"):
         return kernels_hopper.sparse_mla_prefill(qa, q_pe, cache, idx, scale, _pos_tensor(start_pos, qa.device),
                                                   out_dtype=out_dtype)
-    if hopper:
-        raise ValueError("sparse_mla_prefill: hopper=True, but kernels_hopper does not take this call (it needs a "
-                         "Hopper GPU with Gluon, bf16 rows of 512 + 64 values, bf16 queries, heads in 64s, a "
-                         "selection, no decode and the default tiles)")
     return _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S if S is not None else cache.shape[1], 1,
                        out_dtype, block_h, block_n, num_warps, num_stages, decode, q_in_loop, halves, late_sum, ahead, clamp)

@@ -1,10 +1,14 @@
 """Hopper variants, in Triton's Gluon dialect, of kernels_cuda.py's kernels where the lever is
 something plain Triton cannot say: warpgroups doing different work at once (warp specialisation).
 
-    sparse_mla_prefill   kernels_cuda.sparse_mla_prefill for a bf16 cache of C = 512 latent and
-                         R = 64 rope values a row, 64 heads a program, three warpgroups:
-                           producer (_mla_gather)        gathers the next selected rows into one of two
-                                                         shared buffers (cp.async; unselected rows zero-filled)
+    sparse_mla_prefill   kernels_cuda.sparse_mla_prefill (and sparse_mla_decode where a query's set
+                         stays whole) for C = 512 latent and R = 64 rope values a row, 64 heads a
+                         program, three warpgroups:
+                           producer, bf16 rows           gathers the next selected rows into one of two
+                             (_mla_gather)               shared buffers (cp.async; unselected rows zero-filled)
+                           producer, packed FP8 rows     the same rows decoded: e4m3 codes times their
+                             (_mla_dequant)              group's power-of-two scale into bf16, through
+                                                         registers; the next step's rows prefetched into L2
                            consumer 0 (_mla_scores_left, the scores z = q^C . c + q^R . k^R (wgmma), the
                              the default partition)      online softmax, p and alpha to shared memory,
                                                          o[:, :256] = alpha o + p c[:, :256]
@@ -14,17 +18,19 @@ something plain Triton cannot say: warpgroups doing different work at once (warp
                                                                   reference: kernels_cuda._sparse_mla_kernel
 
 The plain-Triton kernel stays: it is what the interpreter tests in CI and what every other GPU runs.
-This one computes the same operations in the same order, so its bits equal the plain kernel's on an
-H200 (tests/test_kernels.py, GPU only): q^C against the latent as one chain of 32 k-steps from the
+This one computes the same operations in the same order as the plain kernel with the latent whole
+(halves=False, late_sum=False: its defaults for bf16 rows), so its bits equal that kernel's on an H200
+(tests/test_kernels.py, GPU only): q^C against the latent as one chain of 32 k-steps from the
 0 / -inf mask, q^R against the rope part from 0, their sum, scaled (the plain kernel's two warpgroups
 run 32 of the 64 columns each; one warpgroup runs them all here, with the same products and sums per
 element); the sum of p as the plain kernel forms it, each 32-column half summed and then the two (the
 other half's entries masked to zeros, which adds nothing exactly); the value MMA from alpha * o, as
-the plain kernel folds it; o / l with the same division. Measured on an H200 (bench/RESULTS.md): 1.37-1.58x
-the plain kernel and 0.93-1.17x TileLang's pipelined kernel side by side.
+the plain kernel folds it; o / l with the same division. A packed FP8 row decodes to the same bf16
+values either way (code times scale is exact). Measured on an H200 (bench/RESULTS.md): over bf16 rows
+1.37-1.58x the plain kernel and 0.93-1.17x TileLang's pipelined kernel side by side.
 `available(device)` says where it runs: an NVIDIA GPU of compute capability 9.x with a Triton that has
-Gluon's Hopper API; kernels_cuda.sparse_mla_prefill calls it there for the shapes it takes
-(`takes(...)`), and the plain kernel otherwise.
+Gluon's Hopper API; kernels_cuda's sparse MLA calls it there for the shapes it takes (`takes(...)`)
+at their default tiles, and the plain kernel otherwise.
 """
 import functools
 
@@ -38,6 +44,7 @@ try:                                                   # Gluon as in Triton 3.6 
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # 3.9 / 3.6
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier                     # 3.9 / 3.6
     if "functions_and_args" not in inspect.signature(gl.warp_specialize).parameters:   # 3.5's older form
         raise ImportError("gl.warp_specialize takes another form")
 except (ImportError, AttributeError):                  # no Gluon, or another one: the plain kernel everywhere
@@ -62,16 +69,21 @@ def available(device):
             and _hopper(device.index if device.index is not None else torch.cuda.current_device()))
 
 
+def row_width(C, R, packed):  # a cache row: bytes of packed FP8 (kernels_cuda.latent_width), else values
+    return C + 4 * (C // 128) + 2 * R if packed else C + R
+
+
 def takes(qa, q_pe, cache, idx):
-    """Whether sparse_mla_prefill here takes this call (shapes checked by kernels_cuda._check_mla): bf16
-    rows of C_MLA latent and R_MLA rope values, bf16 queries, heads in blocks of 64, a selection given,
-    a sequence's rows within 32-bit offsets. (The model's own caches are packed FP8 or float32:
-    kernels_cuda's kernel reads those.)"""
+    """Whether sparse_mla_prefill here takes this call (shapes checked by kernels_cuda._check_mla): rows
+    of C_MLA latent and R_MLA rope values, bf16 or packed FP8 (uint8, kernels_cuda.latent_width bytes),
+    bf16 or float32 queries (taken to bf16 as the plain kernel does), heads in blocks of 64, a selection
+    given, a sequence's rows within 32-bit offsets. (Exact numerics' float32 rows: the plain kernel.)"""
     H, C, R = qa.shape[2], qa.shape[3], q_pe.shape[-1]
-    return (available(qa.device) and idx is not None and cache.dtype == torch.bfloat16
-            and qa.dtype == torch.bfloat16 and q_pe.dtype == torch.bfloat16 and cache.dim() == 3
-            and C == C_MLA and R == R_MLA and cache.shape[2] == C + R and H % BLOCK_H == 0
-            and cache.shape[1] * (C + R) < 2 ** 31)
+    width = row_width(C, R, cache.dtype == torch.uint8)
+    return (available(qa.device) and idx is not None and cache.dtype in (torch.bfloat16, torch.uint8)
+            and qa.dtype in (torch.bfloat16, torch.float32) and q_pe.dtype in (torch.bfloat16, torch.float32)
+            and cache.dim() == 3 and C == C_MLA and R == R_MLA and cache.shape[2] == width and H % BLOCK_H == 0
+            and cache.shape[1] * width < 2 ** 31)
 
 
 if gluon is not None:
@@ -118,6 +130,76 @@ if gluon is not None:
             _async_load(kv_r.index(st), at_lat + CH, mask=ok_lat)
             _async_load(kv_pe.index(st), at_rope, mask=ok_rope)
             async_copy.mbarrier_arrive(ready.index(st), increment_count=False)   # each thread, once its copies land
+
+    @gluon.jit
+    def _prefetch_rows(KV8, s, W: gl.constexpr):
+        """Ask the L2 to fetch whole packed rows (W bytes each; unselected positions: row 0)."""
+        gl.inline_asm_elementwise(f"cp.async.bulk.prefetch.L2.global [$1], {W}; mov.b32 $0, 0;", "=r,l",
+                                  [KV8 + gl.where(s >= 0, s, 0).to(gl.int64) * W], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+    @gluon.jit
+    def _mla_dequant(kv_l, kv_r, kv_pe, ready, free, KV8, KV32, KV16, SEL, hi, steps,
+                     C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr):
+        """Producer warpgroup for packed FP8 rows (C e4m3 codes, C / 128 power-of-two float32 scales, R
+        bf16 rope values: kernels_cuda.latent_width bytes): step i's selected rows -> stage i % 2 as bf16,
+        each code times its group's scale (exact, as the plain kernel's _latent_cols), through registers
+        in chunks of RC rows x 256 codes, each chunk's loads issued before the one before is stored; the
+        next step's rows are prefetched into L2 a step ahead. Unselected rows: zeros."""
+        CH: gl.constexpr = C // 2
+        W: gl.constexpr = C + 4 * (C // 128) + 2 * R                   # bytes a row
+        RC: gl.constexpr = 16                                          # rows a chunk
+        NC: gl.constexpr = 2 * BN // RC                                # chunks a step (row blocks x halves)
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [4, 1, 1], [2, 1, 0])   # [RC, 16, 16]: 16 codes
+        SC: gl.constexpr = gl.SliceLayout(2, L3)                       # a thread, one scale group each
+        ROWS: gl.constexpr = gl.SliceLayout(1, SC)
+        ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # [16, 64] a pass
+        PF: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        rows = gl.arange(0, RC, layout=ROWS)
+        j = gl.arange(0, 16, layout=gl.SliceLayout(0, SC))             # a half row's 16-code pieces
+        k = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        piece = gl.expand_dims(gl.expand_dims(j * 16, 0), 2) + gl.expand_dims(gl.expand_dims(k, 0), 1)  # [1, 16, 16]
+        n_rope = gl.arange(0, BN, layout=gl.SliceLayout(1, ROPE))
+        c_rope = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE))
+        n_pf = gl.arange(0, BN, layout=PF)
+        for i in range(steps):
+            st = i % 2
+            n0 = i * BN
+            _prefetch_rows(KV8, gl.load(SEL + n0 + BN + n_pf, mask=n0 + BN + n_pf < hi, other=-1), W)   # step i + 1
+            s = gl.load(SEL + n0 + rows, mask=n0 + rows < hi, other=-1)
+            x = _packed_chunk(KV8, KV32, s, j, piece, 0, C, W)
+            mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)          # both consumers are done with it
+            for c in gl.static_range(1, NC + 1):                       # chunk c - 1 stored, chunk c loaded
+                y = gl.reshape(x, [RC, CH])
+                if c < NC:
+                    s = gl.load(SEL + n0 + (c % (BN // RC)) * RC + rows,
+                                mask=n0 + (c % (BN // RC)) * RC + rows < hi, other=-1)
+                    x = _packed_chunk(KV8, KV32, s, j, piece, (c // (BN // RC)) * CH, C, W)
+                if (c - 1) // (BN // RC) == 0:
+                    kv_l.index(st).slice(((c - 1) % (BN // RC)) * RC, RC).store(y)
+                else:
+                    kv_r.index(st).slice(((c - 1) % (BN // RC)) * RC, RC).store(y)
+            s_pe = gl.load(SEL + n0 + n_rope, mask=n0 + n_rope < hi, other=-1)
+            pe = gl.load(KV16 + gl.expand_dims(gl.where(s_pe >= 0, s_pe, 0).to(gl.int64) * (W // 2), 1)
+                         + (C + 4 * (C // 128)) // 2 + gl.expand_dims(c_rope, 0),
+                         mask=gl.expand_dims(s_pe >= 0, 1), other=0.0)
+            kv_pe.index(st).store(pe)
+            fence_async_shared()                                       # the stores, for the consumers' wgmma
+            _cta_barrier()                                             # all four warps' stores
+            mbarrier.arrive(ready.index(st), count=1)
+
+    @gluon.jit
+    def _packed_chunk(KV8, KV32, s, j, piece, c0: gl.constexpr, C: gl.constexpr, W: gl.constexpr):
+        """Codes c0 .. c0 + 256 of the rows at positions s (-1: zeros) -> [rows, 16, 16] bf16."""
+        ok = s >= 0
+        row = gl.where(ok, s, 0).to(gl.int64)
+        at = gl.expand_dims(gl.expand_dims(row * W + c0, 1), 2) + piece
+        codes = gl.load(KV8 + at, mask=gl.expand_dims(gl.expand_dims(ok, 1), 2), other=0)
+        g = c0 // 128 + j // 8                                         # each thread's scale group
+        scale = gl.load(KV32 + gl.expand_dims(row * (W // 4) + C // 4, 1) + gl.expand_dims(g, 0),
+                        mask=gl.expand_dims(ok, 1), other=0.0)
+        x = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)
+        return x.to(gl.bfloat16)
 
     @gluon.jit
     def _mla_right(kv_r, p_s, alpha_s, inv_s, free, p_ready, p_free, done, O, head0, steps,
@@ -200,29 +282,34 @@ if gluon is not None:
         gl.store(at, (acc * gl.expand_dims(inv_a, 1)).to(O.dtype.element_ty))
 
     @gluon.jit
-    def _sparse_mla_prefill_kernel(QA, QPE, KV, IDX, POS, O, LSE, T, H, KSEL, L, qk_scale,
+    def _sparse_mla_prefill_kernel(QA, QPE, KV, KV32, KV16, IDX, POS, O, LSE, T, H, KSEL, L, qk_scale,
                                    C: gl.constexpr, R: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                                   PDL: gl.constexpr = False):
-        """Reference: kernels_cuda._sparse_mla_kernel with one split and its defaults for bf16 rows
-        (HALVES, LATE_SUM and CLAMP off), bit for bit. One program per (query token, 64 heads)."""
+                                   PACKED: gl.constexpr, PDL: gl.constexpr = False):
+        """Reference: kernels_cuda._sparse_mla_kernel with one split, the latent whole (HALVES off) and
+        the softmax sum taken every step (LATE_SUM off), bit for bit: its defaults for bf16 rows (KV);
+        for packed FP8 rows (KV as bytes, KV32 and KV16 the same rows as float32 and 16-bit words) the
+        rows it decodes, the same values. One program per (query token, 64 heads)."""
         _await_inputs(PDL)
         CH: gl.constexpr = C // 2
+        W: gl.constexpr = C + 4 * (C // 128) + 2 * R if PACKED else C + R   # a row's bytes (packed) or values
         bt, hb = gl.program_id(0), gl.program_id(1)
         b, t = bt // T, bt % T
         hi = gl.minimum(gl.load(POS).to(gl.int32) + t + 1, KSEL)      # at most position + 1 entries
         steps = gl.cdiv(hi, BN)
         head0 = bt.to(gl.int64) * H + hb * BH                          # this program's first (token, head) row
-        # q^C and q^R -> shared memory (the default warpgroup, before the split)
+        # q^C and q^R -> shared memory as bf16 (the default warpgroup, before the split; 64 columns at a time)
         BIG: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rh = gl.arange(0, BH, layout=gl.SliceLayout(1, LD))
-        rc = gl.arange(0, CH, layout=gl.SliceLayout(0, LD))
         rr = gl.arange(0, R, layout=gl.SliceLayout(0, LD))
-        at = QA + gl.expand_dims((head0 + rh) * C, 1) + gl.expand_dims(rc, 0)
-        q_l = gl.allocate_shared_memory(gl.bfloat16, [BH, CH], BIG, gl.load(at))
-        q_r = gl.allocate_shared_memory(gl.bfloat16, [BH, CH], BIG, gl.load(at + CH))
-        q_pe = gl.allocate_shared_memory(gl.bfloat16, [BH, R], BIG,
-                                         gl.load(QPE + gl.expand_dims((head0 + rh) * R, 1) + gl.expand_dims(rr, 0)))
+        q_l = gl.allocate_shared_memory(gl.bfloat16, [BH, CH], BIG)
+        q_r = gl.allocate_shared_memory(gl.bfloat16, [BH, CH], BIG)
+        for c0 in gl.static_range(0, CH, R):
+            at = QA + gl.expand_dims((head0 + rh) * C, 1) + c0 + gl.expand_dims(rr, 0)
+            q_l.slice(c0, R, dim=1).store(gl.load(at).to(gl.bfloat16))
+            q_r.slice(c0, R, dim=1).store(gl.load(at + CH).to(gl.bfloat16))
+        q_pe = gl.allocate_shared_memory(gl.bfloat16, [BH, R], BIG, gl.load(
+            QPE + gl.expand_dims((head0 + rh) * R, 1) + gl.expand_dims(rr, 0)).to(gl.bfloat16))
         kv_l = gl.allocate_shared_memory(gl.bfloat16, [2, BN, CH], BIG)
         kv_r = gl.allocate_shared_memory(gl.bfloat16, [2, BN, CH], BIG)
         kv_pe = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], BIG)
@@ -236,33 +323,50 @@ if gluon is not None:
         p_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(2):
-            mbarrier.init(ready.index(st), count=128)                  # the producer's 128 threads' copies
+            if PACKED:
+                mbarrier.init(ready.index(st), count=1)                # the producer, once its stores are done
+            else:
+                mbarrier.init(ready.index(st), count=128)              # the producer's 128 threads' copies
             mbarrier.init(free.index(st), count=2)                     # both consumers
         mbarrier.init(p_ready.index(0), count=1)
         mbarrier.init(p_free.index(0), count=1)
         mbarrier.init(done.index(0), count=1)
         fence_async_shared()
-        KV += b.to(gl.int64) * L * (C + R)                             # this sequence's rows
         SEL = IDX + bt.to(gl.int64) * KSEL                             # this query's selected positions
-        gl.warp_specialize([
-            (_mla_scores_left, (q_l, q_r, q_pe, kv_l, kv_r, kv_pe, p_s, alpha_s, inv_s, ready, free, p_ready,
-                                p_free, done, SEL, O, LSE, head0, hi, steps, qk_scale, C, BH, BN)),
-            (_mla_right, (kv_r, p_s, alpha_s, inv_s, free, p_ready, p_free, done, O, head0, steps, C, BH)),
-            (_mla_gather, (kv_l, kv_r, kv_pe, ready, free, KV, SEL, hi, steps, C, R, BN)),
-        ], [4, 4], [168, 96])
+        KV += b.to(gl.int64) * L * W                                   # this sequence's rows
+        if PACKED:
+            KV32 += b.to(gl.int64) * L * (W // 4)
+            KV16 += b.to(gl.int64) * L * (W // 2)
+            gl.warp_specialize([
+                (_mla_scores_left, (q_l, q_r, q_pe, kv_l, kv_r, kv_pe, p_s, alpha_s, inv_s, ready, free, p_ready,
+                                    p_free, done, SEL, O, LSE, head0, hi, steps, qk_scale, C, BH, BN)),
+                (_mla_right, (kv_r, p_s, alpha_s, inv_s, free, p_ready, p_free, done, O, head0, steps, C, BH)),
+                (_mla_dequant, (kv_l, kv_r, kv_pe, ready, free, KV, KV32, KV16, SEL, hi, steps, C, R, BN)),
+            ], [4, 4], [168, 96])
+        else:
+            gl.warp_specialize([
+                (_mla_scores_left, (q_l, q_r, q_pe, kv_l, kv_r, kv_pe, p_s, alpha_s, inv_s, ready, free, p_ready,
+                                    p_free, done, SEL, O, LSE, head0, hi, steps, qk_scale, C, BH, BN)),
+                (_mla_right, (kv_r, p_s, alpha_s, inv_s, free, p_ready, p_free, done, O, head0, steps, C, BH)),
+                (_mla_gather, (kv_l, kv_r, kv_pe, ready, free, KV, SEL, hi, steps, C, R, BN)),
+            ], [4, 4], [168, 96])
 
 
 def sparse_mla_prefill(qa, q_pe, cache, idx, scale, pos, out_dtype=torch.bfloat16):
     """kernels_cuda.sparse_mla_prefill's contract for what takes(...) accepts, the first query's position
-    as an integer [1] tensor on the device -> (o [B, T, H, C], lse [B, T, H])."""
+    as an integer [1] tensor on the device -> (o [B, T, H, C], lse [B, T, H]): bit for bit the plain
+    kernel with one split, halves=False and late_sum=False (for bf16 rows, its defaults)."""
     B, T, H, C = qa.shape
     if not takes(qa, q_pe, cache, idx):
         raise ValueError(f"kernels_hopper.sparse_mla_prefill: qa {tuple(qa.shape)} {qa.dtype}, q_pe {tuple(q_pe.shape)} "
                          f"{q_pe.dtype}, cache {tuple(cache.shape)} {cache.dtype} on {qa.device} is not what it takes")
+    packed = cache.dtype == torch.uint8
+    cache = cache.contiguous()
+    kv32, kv16 = (cache.view(torch.float32), cache.view(torch.bfloat16)) if packed else (cache, cache)
     o = torch.empty(B * T, H, C, dtype=out_dtype, device=qa.device)
     lse = torch.empty(B * T, H, dtype=torch.float32, device=qa.device)
     _sparse_mla_prefill_kernel[(B * T, H // BLOCK_H)](
-        qa.contiguous(), q_pe.contiguous(), cache.contiguous(), idx.to(torch.int32).contiguous(), pos, o, lse,
+        qa.contiguous(), q_pe.contiguous(), cache, kv32, kv16, idx.to(torch.int32).contiguous(), pos, o, lse,
         T, H, idx.shape[-1], cache.shape[1], scale * 1.4426950408889634, C=C, R=q_pe.shape[-1], BH=BLOCK_H,
-        BN=BLOCK_N, num_warps=4, maxnreg=168, **pdl())
+        BN=BLOCK_N, PACKED=packed, num_warps=4, maxnreg=168, **pdl())
     return o.reshape(B, T, H, C), lse.reshape(B, T, H)

@@ -276,7 +276,7 @@ def main():
         cache, kv, pe = cache_of(B, L, fmt)
         qa, qp = randn(B, 1, H, C, dtype=torch.bfloat16), randn(B, 1, H, R, dtype=torch.bfloat16)
         idx = selection(B, 1, L, K)
-        fn = lambda **c: kernels_cuda.sparse_mla_decode(qa, qp, cache, idx, scale, L - 1, **c)
+        fn = lambda **c: kernels_cuda.sparse_mla_decode(qa, qp, cache, idx, scale, L - 1, hopper=False, **c)
         if B == 1:                                     # latency: its own sweep, splits included
             ms, c1 = best(fn, MLA_B1_CONFIGS, True)
         else:
@@ -290,6 +290,12 @@ def main():
         base = timed(dense, True) if B * L <= 64 * 32768 else None
         add(dict(kernel=f"sparse MLA decode ({fmt} cache)", shape=f"B={B} L={L} topk={K}", ms=ms, baseline_ms=base,
                  flops=2 * B * H * K * (C + R + C), config=c1 if B == 1 else cfgs[fmt]))
+        if kernels_hopper.takes(qa, qp, cache, idx) and kernels_cuda._default_splits(qa, idx, None) == 1:
+            hop = lambda: kernels_cuda.sparse_mla_decode(qa, qp, cache, idx, scale, L - 1, hopper=True)  # Gluon: the
+            same = all(map(torch.equal, hop(), fn(halves=False, late_sum=False)))    # plain kernel's bits, latent whole
+            add(dict(kernel=f"sparse MLA decode ({fmt} cache), Hopper warp-specialised", shape=f"B={B} L={L} topk={K}",
+                     ms=timed(hop, True), baseline_ms=base, flops=2 * B * H * K * (C + R + C),
+                     config=dict(same_bits_as_plain=same)))
         del cache, kv, pe, kvb, peb
     cfg = None
     for T, L in shapes("mla-prefill", [(4096, 16384), (4096, 8192), (4096, 65536), (4096, 4096)], [(8, 40)]):
@@ -334,6 +340,20 @@ def main():
             for row, call in ours:
                 beside(row, call, theirs, rel_diff)
         del cache, kv, pe
+    for T, L in shapes("mla-prefill", [(4096, 16384)], [(8, 40)]):   # the model's own cache: packed FP8 rows
+        cache = cache_of(1, L, "fp8")[0]
+        qa, qp = randn(1, T, H, C, dtype=torch.bfloat16), randn(1, T, H, R, dtype=torch.bfloat16)
+        idx = selection(1, T, L, K, causal_end=L - T)
+        flops = 2 * int((idx >= 0).sum()) * H * (C + R + C)
+        fn = lambda **c: kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx, scale, L - T, hopper=False, **c)
+        add(dict(kernel="sparse MLA prefill (fp8 cache)", shape=f"T={T} L={L} topk={K}", ms=timed(fn), flops=flops,
+                 config=dict(defaults=True)))
+        if kernels_hopper.takes(qa, qp, cache, idx):
+            hop = lambda: kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx, scale, L - T, hopper=True)
+            same = all(map(torch.equal, hop(), fn(halves=False, late_sum=False)))
+            add(dict(kernel="sparse MLA prefill (fp8 cache), Hopper warp-specialised", shape=f"T={T} L={L} topk={K}",
+                     ms=timed(hop), flops=flops, config=dict(same_bits_as_plain=same)))
+        del cache
 
     if dev == "cuda":  # registers and spills of the compiled kernels (stderr)
         for name in ("_index_scores_kernel", "_topk_kernel", "_sparse_mla_kernel"):
