@@ -487,7 +487,8 @@ def test_dsa_benchmark_runs_tilelang_beside_ours(tmp_path):
     lines = r.stdout.splitlines()
     assert "| TileLang us | speed vs TileLang | agree |" in lines[2]
     agree = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[-2] for line in lines[4:]}
-    assert set(agree) == {"indexer prefill", "top-k decode", "top-k prefill", "sparse MLA prefill (bf16 cache)"}, agree
+    assert set(agree) == {"indexer prefill", "top-k decode", "top-k prefill", "sparse MLA prefill (bf16 cache)",
+                          "sparse MLA prefill (fp8 cache)"}, agree
     assert "--only indexer-prefill,top-k,mla-prefill" in lines[0]                     # said in the run's header
     assert r.stderr.count(" us\n") >= 4                                                # each row said as it is measured
     assert agree["top-k decode"] == "same sets", agree
