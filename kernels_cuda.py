@@ -1098,7 +1098,8 @@ def _hopper_takes(hopper, defaults, qa, q_pe, cache, idx, name):
     default tiles, True there or a one-line error, False never."""
     if hopper is False:
         return False
-    if defaults and kernels_hopper.takes(qa, q_pe, cache, idx):
+    packed_ok = hopper or cache.dtype != torch.uint8 or kernels_hopper.PACKED_BY_DEFAULT
+    if defaults and packed_ok and kernels_hopper.takes(qa, q_pe, cache, idx):
         return True
     if hopper:
         raise ValueError(f"sparse_mla_{name}: hopper=True, but kernels_hopper does not take this call (it needs a "

@@ -45,6 +45,7 @@ try:                                                   # Gluon as in Triton 3.6 
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # 3.9 / 3.6
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier                     # 3.9 / 3.6
+    _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))    # 3.9 / 3.6
     if "functions_and_args" not in inspect.signature(gl.warp_specialize).parameters:   # 3.5's older form
         raise ImportError("gl.warp_specialize takes another form")
 except (ImportError, AttributeError):                  # no Gluon, or another one: the plain kernel everywhere
@@ -55,6 +56,7 @@ from kernels_fp8 import _interpreted, pdl
 USE_GLUON = True                                       # False: kernels_cuda's plain kernel on Hopper too
 
 C_MLA, R_MLA, BLOCK_H, BLOCK_N = 512, 64, 64, 64       # the shapes this variant takes (V3.2-Exp's)
+PACKED_BY_DEFAULT = True                               # kernels_cuda's default dispatch for packed FP8 rows
 
 
 @functools.lru_cache(None)
@@ -142,23 +144,26 @@ if gluon is not None:
     def _mla_dequant(kv_l, kv_r, kv_pe, ready, free, KV8, KV32, KV16, SEL, hi, steps,
                      C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr):
         """Producer warpgroup for packed FP8 rows (C e4m3 codes, C / 128 power-of-two float32 scales, R
-        bf16 rope values: kernels_cuda.latent_width bytes): step i's selected rows -> stage i % 2 as bf16,
-        each code times its group's scale (exact, as the plain kernel's _latent_cols), through registers
-        in chunks of RC rows x 256 codes, each chunk's loads issued before the one before is stored; the
-        next step's rows are prefetched into L2 a step ahead. Unselected rows: zeros."""
+        bf16 rope values: kernels_cuda.latent_width bytes): step i's selected rows -> stage i % 2 as bf16.
+        The rows' codes land by cp.async in the stage's right half as bytes (64 x 512 bytes: its size),
+        the rope values in place, the scales in registers; then each code times its group's scale (exact,
+        as the plain kernel's _latent_cols) goes to the left half, and the right half's codes, read into
+        registers first, are written over their own bytes. The next step's rows are prefetched into L2 a
+        step ahead. Unselected rows: zeros."""
         CH: gl.constexpr = C // 2
         W: gl.constexpr = C + 4 * (C // 128) + 2 * R                   # bytes a row
         RC: gl.constexpr = 16                                          # rows a chunk
-        NC: gl.constexpr = 2 * BN // RC                                # chunks a step (row blocks x halves)
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [4, 1, 1], [2, 1, 0])   # [RC, 16, 16]: 16 codes
-        SC: gl.constexpr = gl.SliceLayout(2, L3)                       # a thread, one scale group each
-        ROWS: gl.constexpr = gl.SliceLayout(1, SC)
+        CP: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [4, 1, 1], [2, 1, 0])   # [BN, 32, 16]: a row a warp
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [4, 1, 1], [2, 1, 0])   # [RC, 16, 16]: half rows
+        SC: gl.constexpr = gl.SliceLayout(2, L3)                       # a thread's 16 codes' scale
         ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # [16, 64] a pass
         PF: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        rows = gl.arange(0, RC, layout=ROWS)
+        BYTES: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+        n_cp = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
+        piece = (gl.expand_dims(gl.expand_dims(gl.arange(0, C // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP))), 0), 2)
+                 * 16 + gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP))), 0), 1))
+        rows = gl.arange(0, RC, layout=gl.SliceLayout(1, SC))
         j = gl.arange(0, 16, layout=gl.SliceLayout(0, SC))             # a half row's 16-code pieces
-        k = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-        piece = gl.expand_dims(gl.expand_dims(j * 16, 0), 2) + gl.expand_dims(gl.expand_dims(k, 0), 1)  # [1, 16, 16]
         n_rope = gl.arange(0, BN, layout=gl.SliceLayout(1, ROPE))
         c_rope = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE))
         n_pf = gl.arange(0, BN, layout=PF)
@@ -166,40 +171,63 @@ if gluon is not None:
             st = i % 2
             n0 = i * BN
             _prefetch_rows(KV8, gl.load(SEL + n0 + BN + n_pf, mask=n0 + BN + n_pf < hi, other=-1), W)   # step i + 1
-            s = gl.load(SEL + n0 + rows, mask=n0 + rows < hi, other=-1)
-            x = _packed_chunk(KV8, KV32, s, j, piece, 0, C, W)
-            mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)          # both consumers are done with it
-            for c in gl.static_range(1, NC + 1):                       # chunk c - 1 stored, chunk c loaded
-                y = gl.reshape(x, [RC, CH])
-                if c < NC:
-                    s = gl.load(SEL + n0 + (c % (BN // RC)) * RC + rows,
-                                mask=n0 + (c % (BN // RC)) * RC + rows < hi, other=-1)
-                    x = _packed_chunk(KV8, KV32, s, j, piece, (c // (BN // RC)) * CH, C, W)
-                if (c - 1) // (BN // RC) == 0:
-                    kv_l.index(st).slice(((c - 1) % (BN // RC)) * RC, RC).store(y)
-                else:
-                    kv_r.index(st).slice(((c - 1) % (BN // RC)) * RC, RC).store(y)
+            s = gl.load(SEL + n0 + n_cp, mask=n0 + n_cp < hi, other=-1)
             s_pe = gl.load(SEL + n0 + n_rope, mask=n0 + n_rope < hi, other=-1)
-            pe = gl.load(KV16 + gl.expand_dims(gl.where(s_pe >= 0, s_pe, 0).to(gl.int64) * (W // 2), 1)
-                         + (C + 4 * (C // 128)) // 2 + gl.expand_dims(c_rope, 0),
-                         mask=gl.expand_dims(s_pe >= 0, 1), other=0.0)
-            kv_pe.index(st).store(pe)
+            mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)          # both consumers are done with it
+            if _PUBLIC_REINTERPRET:                                    # the right half as [BN, C / 16, 16] bytes
+                raw = kv_r.index(st).reinterpret(gl.uint8, [BN, C // 16, 16], BYTES)
+            else:
+                raw = kv_r.index(st)._reinterpret(gl.uint8, [BN, C // 16, 16], BYTES)
+            row = gl.expand_dims(gl.expand_dims(gl.where(s >= 0, s, 0).to(gl.int64) * W, 1), 2)
+            _async_load(raw, KV8 + row + piece, mask=gl.expand_dims(gl.expand_dims(s >= 0, 1), 2))
+            _async_load(kv_pe.index(st), KV16 + gl.expand_dims(gl.where(s_pe >= 0, s_pe, 0).to(gl.int64) * (W // 2), 1)
+                        + (C + 4 * (C // 128)) // 2 + gl.expand_dims(c_rope, 0), mask=gl.expand_dims(s_pe >= 0, 1))
+            async_copy.commit_group()
+            sa = gl.load(SEL + n0 + rows, mask=n0 + rows < hi, other=-1)   # each chunk's scales, while the
+            sb = gl.load(SEL + n0 + RC + rows, mask=n0 + RC + rows < hi, other=-1)      # copies fly
+            sc = gl.load(SEL + n0 + 2 * RC + rows, mask=n0 + 2 * RC + rows < hi, other=-1)
+            sd = gl.load(SEL + n0 + 3 * RC + rows, mask=n0 + 3 * RC + rows < hi, other=-1)
+            la = _scales(KV32, sa, j, 0, C, W)
+            lb = _scales(KV32, sb, j, 0, C, W)
+            lc = _scales(KV32, sc, j, 0, C, W)
+            ld = _scales(KV32, sd, j, 0, C, W)
+            ra = _scales(KV32, sa, j, 2, C, W)
+            rb = _scales(KV32, sb, j, 2, C, W)
+            rc = _scales(KV32, sc, j, 2, C, W)
+            rd = _scales(KV32, sd, j, 2, C, W)
+            async_copy.wait_group(0)
+            _cta_barrier()                                             # every thread's copies have landed
+            left = kv_l.index(st)                                      # the left half from the bytes
+            left.slice(0, RC).store(_decoded(raw.slice(0, RC).slice(0, 16, dim=1).load(L3), la, CH))
+            left.slice(RC, RC).store(_decoded(raw.slice(RC, RC).slice(0, 16, dim=1).load(L3), lb, CH))
+            left.slice(2 * RC, RC).store(_decoded(raw.slice(2 * RC, RC).slice(0, 16, dim=1).load(L3), lc, CH))
+            left.slice(3 * RC, RC).store(_decoded(raw.slice(3 * RC, RC).slice(0, 16, dim=1).load(L3), ld, CH))
+            xa = raw.slice(0, RC).slice(16, 16, dim=1).load(L3)        # the right half's bytes, all read
+            xb = raw.slice(RC, RC).slice(16, 16, dim=1).load(L3)       # before any is written over
+            xc = raw.slice(2 * RC, RC).slice(16, 16, dim=1).load(L3)
+            xd = raw.slice(3 * RC, RC).slice(16, 16, dim=1).load(L3)
+            _cta_barrier()
+            right = kv_r.index(st)
+            right.slice(0, RC).store(_decoded(xa, ra, CH))
+            right.slice(RC, RC).store(_decoded(xb, rb, CH))
+            right.slice(2 * RC, RC).store(_decoded(xc, rc, CH))
+            right.slice(3 * RC, RC).store(_decoded(xd, rd, CH))
             fence_async_shared()                                       # the stores, for the consumers' wgmma
             _cta_barrier()                                             # all four warps' stores
             mbarrier.arrive(ready.index(st), count=1)
 
     @gluon.jit
-    def _packed_chunk(KV8, KV32, s, j, piece, c0: gl.constexpr, C: gl.constexpr, W: gl.constexpr):
-        """Codes c0 .. c0 + 256 of the rows at positions s (-1: zeros) -> [rows, 16, 16] bf16."""
+    def _scales(KV32, s, j, g0: gl.constexpr, C: gl.constexpr, W: gl.constexpr):
+        """The scale of each thread's 16 codes in groups g0, g0 + 1 of the rows at positions s (-1: 0)."""
         ok = s >= 0
-        row = gl.where(ok, s, 0).to(gl.int64)
-        at = gl.expand_dims(gl.expand_dims(row * W + c0, 1), 2) + piece
-        codes = gl.load(KV8 + at, mask=gl.expand_dims(gl.expand_dims(ok, 1), 2), other=0)
-        g = c0 // 128 + j // 8                                         # each thread's scale group
-        scale = gl.load(KV32 + gl.expand_dims(row * (W // 4) + C // 4, 1) + gl.expand_dims(g, 0),
-                        mask=gl.expand_dims(ok, 1), other=0.0)
+        at = gl.expand_dims(gl.where(ok, s, 0).to(gl.int64) * (W // 4) + C // 4 + g0, 1) + gl.expand_dims(j // 8, 0)
+        return gl.load(KV32 + at, mask=gl.expand_dims(ok, 1), other=0.0)
+
+    @gluon.jit
+    def _decoded(codes, scale, CH: gl.constexpr):
+        """e4m3 codes [rows, 16, 16] (bytes) times their scale [rows, 16] -> bf16 [rows, CH], exactly."""
         x = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)
-        return x.to(gl.bfloat16)
+        return gl.reshape(x.to(gl.bfloat16), [codes.shape[0], CH])
 
     @gluon.jit
     def _mla_right(kv_r, p_s, alpha_s, inv_s, free, p_ready, p_free, done, O, head0, steps,

@@ -963,7 +963,7 @@ def _packed_rows(B, L, C, R, g, exponents=(-20, 5)):
 
 
 @gpu
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(st.integers(1, 2), st.integers(1, 40), st.sampled_from([64, 128]), st.integers(1, 3000), st.integers(0, 3000),
        st.sampled_from([1, 40, 64, 100, 512, 2048]), st.sampled_from([torch.bfloat16, torch.float32]),
        st.sampled_from(["bf16", "packed"]), st.sampled_from([torch.bfloat16, torch.float32]), st.integers(0, 2 ** 31))
@@ -1001,13 +1001,13 @@ def test_sparse_mla_prefill_hopper_equals_the_plain_kernel(B, T, H, L, past, K, 
                                                      late_sum=False)
     assert torch.equal(lse, lse_ref)
     assert torch.equal(o, o_ref), f"{(o != o_ref).float().mean().item():.2%} of the outputs differ"
-    # the default dispatch takes the variant, with the position as a device tensor and int64 positions too
-    o_auto, _ = kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx.long(), 0.07, torch.tensor(past, device=DEV),
-                                                out_dtype=out_dtype)
-    assert torch.equal(o_auto, o)
-    if kernels_cuda._default_splits(qa, idx, None) == 1:       # decode's set whole: the variant there too
-        o_dec, lse_dec = kernels_cuda.sparse_mla_decode(*args, out_dtype=out_dtype)
-        assert torch.equal(o_dec, o) and torch.equal(lse_dec, lse)
+    if rows == "bf16" or kernels_hopper.PACKED_BY_DEFAULT:      # the default dispatch takes the variant, with
+        o_auto, _ = kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx.long(), 0.07,   # the position as a device
+                                                    torch.tensor(past, device=DEV), out_dtype=out_dtype)   # tensor
+        assert torch.equal(o_auto, o)                               # and int64 positions too
+        if kernels_cuda._default_splits(qa, idx, None) == 1:    # decode's set whole: the variant there too
+            o_dec, lse_dec = kernels_cuda.sparse_mla_decode(*args, out_dtype=out_dtype)
+            assert torch.equal(o_dec, o) and torch.equal(lse_dec, lse)
     with pytest.raises(ValueError, match="idx"):                # the plain kernel's shape checks hold here too
         kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx[:, :0], 0.07, past, hopper=True)
     with pytest.raises(ValueError, match="hopper=True"):       # and where the variant does not apply, one line
