@@ -1065,8 +1065,7 @@ def _sparse_mla(qa, q_pe, cache, idx, scale, start_pos, S, splits, out_dtype, bl
             splits = max(1, min(triton.cdiv(ksel, 128), triton.cdiv(2 * sm_count(qa.device), B * T * hb)))  # waves
         else:
             splits = _default_splits(qa, idx, block_h)
-    per = triton.cdiv(triton.cdiv(ksel, splits), block_n) * block_n
-    splits = triton.cdiv(ksel, per)
+    per, splits = _split_length(ksel, splits, block_n)
     o = torch.empty(B * T, splits, H, C, dtype=out_dtype if splits == 1 else torch.float32, device=qa.device)
     lse = torch.empty(B * T, splits, H, dtype=torch.float32, device=qa.device)
     _sparse_mla_kernel[(B * T, hb, splits)](
@@ -1091,6 +1090,11 @@ def _default_splits(qa, idx, block_h):  # a selection's splits: one wave, at lea
     B, T, H = qa.shape[:3]
     hb = triton.cdiv(H, block_h or max(16, min(64, triton.next_power_of_2(H))))
     return max(1, min(triton.cdiv(idx.shape[-1], 64), sm_count(qa.device) // (B * T * hb), 32))
+
+
+def _split_length(ksel, splits, block_n):  # entries a split takes (whole steps) -> (that, the splits it makes)
+    per = triton.cdiv(triton.cdiv(ksel, splits), block_n) * block_n
+    return per, triton.cdiv(ksel, per)
 
 
 def _hopper_takes(hopper, defaults, qa, q_pe, cache, idx, name):
@@ -1134,13 +1138,16 @@ def sparse_mla_decode(qa, q_pe, cache, idx, scale, start_pos, S=None, splits=Non
     take bf16's, unmeasured.
     hopper (None: where the set stays whole, kernels_hopper takes the call and the tiles are the
     defaults) = kernels_hopper's warp-specialised variant: this kernel's bits with halves=False and
-    late_sum=False (for packed FP8 rows not the defaults: those differ); False: this kernel.
+    late_sum=False (for packed FP8 rows not the defaults: those differ; and where this kernel clamps,
+    as for packed rows, its unselected entries read row 0, which must hold finite values, while the
+    variant reads zeros); False: this kernel.
     Reference: attention.mqa_absorbed_ref up to its weighted latent o (before W^UV), allowed = the
     selected positions (or, dense, the causal ones)."""
     _check_mla(qa, q_pe, cache, idx)
     tiles = dict(block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages, q_in_loop=q_in_loop,
                  halves=halves, late_sum=late_sum, ahead=ahead, clamp=clamp)
-    whole = idx is not None and (splits == 1 or splits is None and _default_splits(qa, idx, block_h) == 1)
+    whole = idx is not None and _split_length(idx.shape[-1], splits or _default_splits(qa, idx, block_h),
+                                              block_n)[1] == 1                     # the set in one split
     if _hopper_takes(hopper, whole and not decode and tiles == DECODE_TILES, qa, q_pe, cache, idx, "decode"):
         return kernels_hopper.sparse_mla_prefill(qa, q_pe, cache, idx, scale, _pos_tensor(start_pos, qa.device),
                                                   out_dtype=out_dtype)
