@@ -966,7 +966,8 @@ def _packed_rows(B, L, C, R, g, exponents=(-20, 5)):
 @settings(max_examples=16, deadline=None)
 @given(st.integers(1, 2), st.integers(1, 40), st.sampled_from([64, 128]), st.integers(1, 3000), st.integers(0, 3000),
        st.sampled_from([1, 40, 64, 100, 512, 2048]), st.sampled_from([torch.bfloat16, torch.float32]),
-       st.sampled_from(["bf16", "packed"]), st.sampled_from([torch.bfloat16, torch.float32]), st.integers(0, 2 ** 31))
+       st.sampled_from(["bf16", "packed", "packed-wide"]), st.sampled_from([torch.bfloat16, torch.float32]),
+       st.integers(0, 2 ** 31))
 @example(1, 33, 128, 2500, 2000, 2048, torch.bfloat16, "bf16", torch.bfloat16, 0)     # 32 steps of 64 entries:
 @example(1, 33, 128, 2500, 2000, 2048, torch.bfloat16, "packed", torch.float32, 0)    # both stages reused
 def test_sparse_mla_prefill_hopper_equals_the_plain_kernel(B, T, H, L, past, K, out_dtype, rows, q_dtype, seed):
@@ -975,7 +976,7 @@ def test_sparse_mla_prefill_hopper_equals_the_plain_kernel(B, T, H, L, past, K, 
     outputs and log-sum-exps bit for bit, at V3.2-Exp's widths (C = 512, R = 64), over bf16 rows and
     packed FP8 rows (every e4m3 code, power-of-two scales: its producer decodes them), bf16 or float32
     queries, for selections with -1 padding, rows with nothing selected, contexts shorter than K; and
-    the default dispatch of both entry points (decode's where the set stays whole)."""
+    that the default dispatch of both entry points calls it (decode's where the set stays whole)."""
     import kernels_hopper
     if not kernels_hopper.available(DEV):
         pytest.skip("kernels_hopper runs on a Hopper GPU with Triton's Gluon")
@@ -983,8 +984,10 @@ def test_sparse_mla_prefill_hopper_equals_the_plain_kernel(B, T, H, L, past, K, 
     C, R = kernels_hopper.C_MLA, kernels_hopper.R_MLA
     past = past % L                                            # the first query's position
     T = min(T, L - past)
-    if rows == "packed":
-        cache = _packed_rows(B, L, C, R, g)
+    if rows == "packed-wide":                                  # scales 2^-20 .. 2^5: every code's value, but
+        cache = _packed_rows(B, L, C, R, g)                    # a softmax of one entry
+    elif rows == "packed":                                     # scales 2^-9 .. 2^-7: a spread softmax
+        cache = _packed_rows(B, L, C, R, g, exponents=(-9, -7))
     else:
         cache = (torch.randn(B, L, C + R, generator=g, device=DEV) * 2).bfloat16()
     qa = torch.randn(B, T, H, C, generator=g, device=DEV).to(q_dtype)
@@ -1001,13 +1004,18 @@ def test_sparse_mla_prefill_hopper_equals_the_plain_kernel(B, T, H, L, past, K, 
                                                      late_sum=False)
     assert torch.equal(lse, lse_ref)
     assert torch.equal(o, o_ref), f"{(o != o_ref).float().mean().item():.2%} of the outputs differ"
-    if rows == "bf16" or kernels_hopper.PACKED_BY_DEFAULT:      # the default dispatch takes the variant, with
-        o_auto, _ = kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx.long(), 0.07,   # the position as a device
-                                                    torch.tensor(past, device=DEV), out_dtype=out_dtype)   # tensor
-        assert torch.equal(o_auto, o)                               # and int64 positions too
-        if kernels_cuda._default_splits(qa, idx, None) == 1:    # decode's set whole: the variant there too
-            o_dec, lse_dec = kernels_cuda.sparse_mla_decode(*args, out_dtype=out_dtype)
-            assert torch.equal(o_dec, o) and torch.equal(lse_dec, lse)
+    if rows == "bf16" or kernels_hopper.PACKED_BY_DEFAULT:      # the default dispatch takes the variant (counted:
+        calls, variant = [], kernels_hopper.sparse_mla_prefill   # for bf16 rows the plain kernel has its bits)
+        kernels_hopper.sparse_mla_prefill = lambda *a, **k: calls.append(1) or variant(*a, **k)
+        try:                                                    # the position as a device tensor, int64 positions
+            o_auto, _ = kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx.long(), 0.07, torch.tensor(past, device=DEV),
+                                                        out_dtype=out_dtype)
+            assert torch.equal(o_auto, o) and len(calls) == 1
+            if kernels_cuda._default_splits(qa, idx, None) == 1:   # decode's set whole: the variant there too
+                o_dec, lse_dec = kernels_cuda.sparse_mla_decode(*args, out_dtype=out_dtype)
+                assert torch.equal(o_dec, o) and torch.equal(lse_dec, lse) and len(calls) == 2
+        finally:
+            kernels_hopper.sparse_mla_prefill = variant
     with pytest.raises(ValueError, match="idx"):                # the plain kernel's shape checks hold here too
         kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx[:, :0], 0.07, past, hopper=True)
     with pytest.raises(ValueError, match="hopper=True"):       # and where the variant does not apply, one line
@@ -1033,10 +1041,11 @@ def test_sparse_mla_hopper_against_float64():
     qa = torch.randn(B, T, H, C, generator=g, device=DEV).bfloat16()
     qp = torch.randn(B, T, H, R, generator=g, device=DEV).bfloat16()
     idx = torch.stack([torch.stack([torch.randperm(L, generator=g, device=DEV)[:K] for _ in range(T)]) for _ in range(B)])
+    idx[0, 1, 1000:] = -1                                      # a partial last step and -1 padding
     o, lse = kernels_cuda.sparse_mla_prefill(qa, qp, cache, idx.int(), 0.07, L - T, out_dtype=torch.float32, hopper=True)
     for b in range(B):
         for t in range(T):
-            s = idx[b, t]
+            s = idx[b, t][idx[b, t] >= 0]
             z = (qa[b, t].double() @ kv[b, s].T + qp[b, t].double() @ pe[b, s].T) * 0.07   # [H, K]
             p = torch.softmax(z, -1)
             want = p @ kv[b, s]
