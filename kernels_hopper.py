@@ -6,9 +6,10 @@ something plain Triton cannot say: warpgroups doing different work at once (warp
                          program, three warpgroups:
                            producer, bf16 rows           gathers the next selected rows into one of two
                              (_mla_gather)               shared buffers (cp.async; unselected rows zero-filled)
-                           producer, packed FP8 rows     the same rows decoded: e4m3 codes times their
-                             (_mla_dequant)              group's power-of-two scale into bf16, through
-                                                         registers; the next step's rows prefetched into L2
+                           producer, packed FP8 rows     the same rows' codes by cp.async into a stage as
+                             (_mla_dequant)              bytes, decoded there into bf16 (times their group's
+                                                         power-of-two scale); the next step's rows
+                                                         prefetched into L2
                            consumer 0 (_mla_scores_left, the scores z = q^C . c + q^R . k^R (wgmma), the
                              the default partition)      online softmax, p and alpha to shared memory,
                                                          o[:, :256] = alpha o + p c[:, :256]
@@ -52,6 +53,7 @@ except (ImportError, AttributeError):                  # no Gluon, or another on
     gluon = None
 
 from kernels_fp8 import _interpreted, pdl
+from quant import latent_width
 
 USE_GLUON = True                                       # False: kernels_cuda's plain kernel on Hopper too
 
@@ -71,17 +73,13 @@ def available(device):
             and _hopper(device.index if device.index is not None else torch.cuda.current_device()))
 
 
-def row_width(C, R, packed):  # a cache row: bytes of packed FP8 (kernels_cuda.latent_width), else values
-    return C + 4 * (C // 128) + 2 * R if packed else C + R
-
-
 def takes(qa, q_pe, cache, idx):
     """Whether sparse_mla_prefill here takes this call (shapes checked by kernels_cuda._check_mla): rows
     of C_MLA latent and R_MLA rope values, bf16 or packed FP8 (uint8, kernels_cuda.latent_width bytes),
     bf16 or float32 queries (taken to bf16 as the plain kernel does), heads in blocks of 64, a selection
     given, a sequence's rows within 32-bit offsets. (Exact numerics' float32 rows: the plain kernel.)"""
     H, C, R = qa.shape[2], qa.shape[3], q_pe.shape[-1]
-    width = row_width(C, R, cache.dtype == torch.uint8)
+    width = latent_width(C, R) if cache.dtype == torch.uint8 else C + R   # bytes (packed) or values a row
     return (available(qa.device) and idx is not None and cache.dtype in (torch.bfloat16, torch.uint8)
             and qa.dtype in (torch.bfloat16, torch.float32) and q_pe.dtype in (torch.bfloat16, torch.float32)
             and cache.dim() == 3 and C == C_MLA and R == R_MLA and cache.shape[2] == width and H % BLOCK_H == 0
