@@ -132,52 +132,40 @@ if gluon is not None:
             async_copy.mbarrier_arrive(ready.index(st), increment_count=False)   # each thread, once its copies land
 
     @gluon.jit
-    def _prefetch_rows(KV8, s, W: gl.constexpr):
-        """Ask the L2 to fetch whole packed rows (W bytes each; unselected positions: row 0)."""
-        gl.inline_asm_elementwise(f"cp.async.bulk.prefetch.L2.global [$1], {W}; mov.b32 $0, 0;", "=r,l",
-                                  [KV8 + gl.where(s >= 0, s, 0).to(gl.int64) * W], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-
-    @gluon.jit
     def _mla_dequant(kv_l, kv_r, kv_pe, ready, free, KV8, KV32, KV16, SEL, hi, steps,
                      C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr):
         """Producer warpgroup for packed FP8 rows (C e4m3 codes, C / 128 power-of-two float32 scales, R
         bf16 rope values: kernels_cuda.latent_width bytes): step i's selected rows -> stage i % 2 as bf16.
         The rows' codes land by cp.async in the stage's right half as bytes (64 x 512 bytes: its size),
-        the rope values in place, the scales in registers; then each code times its group's scale (exact,
-        as the plain kernel's _latent_cols) goes to the left half, and the right half's codes, read into
-        registers first, are written over their own bytes. The next step's rows are prefetched into L2 a
-        step ahead. Unselected rows: zeros."""
+        16 rows a commit group, the rope values in place, the scales in registers. Each group's codes
+        times their group's scale (exact, as the plain kernel's _latent_cols) go to the left half as soon
+        as the group lands (while the later groups fly); then the right half's codes, all read into
+        registers first, are written decoded over their own bytes. Unselected rows: zeros."""
         CH: gl.constexpr = C // 2
         W: gl.constexpr = C + 4 * (C // 128) + 2 * R                   # bytes a row
-        RC: gl.constexpr = 16                                          # rows a chunk
-        CP: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [4, 1, 1], [2, 1, 0])   # [BN, 32, 16]: a row a warp
+        RC: gl.constexpr = 16                                          # rows a chunk (a commit group)
+        CP: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [4, 1, 1], [2, 1, 0])   # [RC, 32, 16]: a row a warp
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [4, 1, 1], [2, 1, 0])   # [RC, 16, 16]: half rows
         SC: gl.constexpr = gl.SliceLayout(2, L3)                       # a thread's 16 codes' scale
         ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # [16, 64] a pass
-        PF: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         BYTES: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
-        n_cp = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
-        piece = (gl.expand_dims(gl.expand_dims(gl.arange(0, C // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP))), 0), 2)
-                 * 16 + gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP))), 0), 1))
         rows = gl.arange(0, RC, layout=gl.SliceLayout(1, SC))
         j = gl.arange(0, 16, layout=gl.SliceLayout(0, SC))             # a half row's 16-code pieces
         n_rope = gl.arange(0, BN, layout=gl.SliceLayout(1, ROPE))
         c_rope = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE))
-        n_pf = gl.arange(0, BN, layout=PF)
         for i in range(steps):
             st = i % 2
             n0 = i * BN
-            _prefetch_rows(KV8, gl.load(SEL + n0 + BN + n_pf, mask=n0 + BN + n_pf < hi, other=-1), W)   # step i + 1
-            s = gl.load(SEL + n0 + n_cp, mask=n0 + n_cp < hi, other=-1)
-            s_pe = gl.load(SEL + n0 + n_rope, mask=n0 + n_rope < hi, other=-1)
             mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)          # both consumers are done with it
             if _PUBLIC_REINTERPRET:                                    # the right half as [BN, C / 16, 16] bytes
                 raw = kv_r.index(st).reinterpret(gl.uint8, [BN, C // 16, 16], BYTES)
             else:
                 raw = kv_r.index(st)._reinterpret(gl.uint8, [BN, C // 16, 16], BYTES)
-            row = gl.expand_dims(gl.expand_dims(gl.where(s >= 0, s, 0).to(gl.int64) * W, 1), 2)
-            _async_load(raw, KV8 + row + piece, mask=gl.expand_dims(gl.expand_dims(s >= 0, 1), 2))
+            _copy_codes(raw.slice(0, RC), KV8, SEL, n0, hi, C, W, RC, CP)                # commit groups 1 to 4
+            _copy_codes(raw.slice(RC, RC), KV8, SEL, n0 + RC, hi, C, W, RC, CP)
+            _copy_codes(raw.slice(2 * RC, RC), KV8, SEL, n0 + 2 * RC, hi, C, W, RC, CP)
+            _copy_codes(raw.slice(3 * RC, RC), KV8, SEL, n0 + 3 * RC, hi, C, W, RC, CP)
+            s_pe = gl.load(SEL + n0 + n_rope, mask=n0 + n_rope < hi, other=-1)           # group 5: rope values
             _async_load(kv_pe.index(st), KV16 + gl.expand_dims(gl.where(s_pe >= 0, s_pe, 0).to(gl.int64) * (W // 2), 1)
                         + (C + 4 * (C // 128)) // 2 + gl.expand_dims(c_rope, 0), mask=gl.expand_dims(s_pe >= 0, 1))
             async_copy.commit_group()
@@ -193,12 +181,18 @@ if gluon is not None:
             rb = _scales(KV32, sb, j, 2, C, W)
             rc = _scales(KV32, sc, j, 2, C, W)
             rd = _scales(KV32, sd, j, 2, C, W)
-            async_copy.wait_group(0)
-            _cta_barrier()                                             # every thread's copies have landed
-            left = kv_l.index(st)                                      # the left half from the bytes
+            left = kv_l.index(st)                                      # the left half, a chunk once it lands
+            async_copy.wait_group(4)                                   # (each thread's own groups, then all
+            _cta_barrier()                                             # four warps')
             left.slice(0, RC).store(_decoded(raw.slice(0, RC).slice(0, 16, dim=1).load(L3), la, CH))
+            async_copy.wait_group(3)
+            _cta_barrier()
             left.slice(RC, RC).store(_decoded(raw.slice(RC, RC).slice(0, 16, dim=1).load(L3), lb, CH))
+            async_copy.wait_group(2)
+            _cta_barrier()
             left.slice(2 * RC, RC).store(_decoded(raw.slice(2 * RC, RC).slice(0, 16, dim=1).load(L3), lc, CH))
+            async_copy.wait_group(0)                                   # the last chunk and the rope values
+            _cta_barrier()
             left.slice(3 * RC, RC).store(_decoded(raw.slice(3 * RC, RC).slice(0, 16, dim=1).load(L3), ld, CH))
             xa = raw.slice(0, RC).slice(16, 16, dim=1).load(L3)        # the right half's bytes, all read
             xb = raw.slice(RC, RC).slice(16, 16, dim=1).load(L3)       # before any is written over
@@ -213,6 +207,18 @@ if gluon is not None:
             fence_async_shared()                                       # the stores, for the consumers' wgmma
             _cta_barrier()                                             # all four warps' stores
             mbarrier.arrive(ready.index(st), count=1)
+
+    @gluon.jit
+    def _copy_codes(raw, KV8, SEL, n, hi, C: gl.constexpr, W: gl.constexpr, RC: gl.constexpr, CP: gl.constexpr):
+        """cp.async the C codes of the RC rows at SEL[n:n + RC] (-1: none) -> raw [RC, C / 16, 16] (bytes),
+        as a commit group of their own."""
+        r = gl.arange(0, RC, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
+        s = gl.load(SEL + n + r, mask=n + r < hi, other=-1)
+        piece = (gl.expand_dims(gl.expand_dims(gl.arange(0, C // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP))), 0), 2)
+                 * 16 + gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP))), 0), 1))
+        row = gl.expand_dims(gl.expand_dims(gl.where(s >= 0, s, 0).to(gl.int64) * W, 1), 2)
+        _async_load(raw, KV8 + row + piece, mask=gl.expand_dims(gl.expand_dims(s >= 0, 1), 2))
+        async_copy.commit_group()
 
     @gluon.jit
     def _scales(KV32, s, j, g0: gl.constexpr, C: gl.constexpr, W: gl.constexpr):
