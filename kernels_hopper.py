@@ -7,9 +7,9 @@ something plain Triton cannot say: warpgroups doing different work at once (warp
                            producer, bf16 rows           gathers the next selected rows into one of two
                              (_mla_gather)               shared buffers (cp.async; unselected rows zero-filled)
                            producer, packed FP8 rows     the same rows' codes by cp.async into a stage as
-                             (_mla_dequant)              bytes, decoded there into bf16 (times their group's
-                                                         power-of-two scale); the next step's rows
-                                                         prefetched into L2
+                             (_mla_dequant)              bytes, 16 rows a commit group, each group decoded
+                                                         there into bf16 (times its power-of-two scale)
+                                                         as soon as it lands
                            consumer 0 (_mla_scores_left, the scores z = q^C . c + q^R . k^R (wgmma), the
                              the default partition)      online softmax, p and alpha to shared memory,
                                                          o[:, :256] = alpha o + p c[:, :256]
