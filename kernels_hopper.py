@@ -77,13 +77,14 @@ def takes(qa, q_pe, cache, idx):
     """Whether sparse_mla_prefill here takes this call (shapes checked by kernels_cuda._check_mla): rows
     of C_MLA latent and R_MLA rope values, bf16 or packed FP8 (uint8, kernels_cuda.latent_width bytes),
     bf16 or float32 queries (taken to bf16 as the plain kernel does), heads in blocks of 64, a selection
-    given, a sequence's rows within 32-bit offsets. (Exact numerics' float32 rows: the plain kernel.)"""
+    given, a sequence's rows and its (token, head) rows within 32-bit offsets. (Exact numerics' float32
+    rows: the plain kernel.)"""
     H, C, R = qa.shape[2], qa.shape[3], q_pe.shape[-1]
     width = latent_width(C, R) if cache.dtype == torch.uint8 else C + R   # bytes (packed) or values a row
     return (available(qa.device) and idx is not None and cache.dtype in (torch.bfloat16, torch.uint8)
             and qa.dtype in (torch.bfloat16, torch.float32) and q_pe.dtype in (torch.bfloat16, torch.float32)
             and cache.dim() == 3 and C == C_MLA and R == R_MLA and cache.shape[2] == width and H % BLOCK_H == 0
-            and cache.shape[1] * width < 2 ** 31)
+            and cache.shape[1] * width < 2 ** 31 and qa.shape[0] * qa.shape[1] * H < 2 ** 31)
 
 
 if gluon is not None:
@@ -156,19 +157,19 @@ if gluon is not None:
         for i in range(steps):
             st = i % 2
             n0 = i * BN
+            s_pe = gl.load(SEL + n0 + n_rope, mask=n0 + n_rope < hi, other=-1)
             mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)          # both consumers are done with it
+            _async_load(kv_pe.index(st), KV16 + gl.expand_dims(gl.where(s_pe >= 0, s_pe, 0).to(gl.int64) * (W // 2), 1)
+                        + (C + 4 * (C // 128)) // 2 + gl.expand_dims(c_rope, 0), mask=gl.expand_dims(s_pe >= 0, 1))
+            async_copy.commit_group()                                  # commit group 1: the rope values
             if _PUBLIC_REINTERPRET:                                    # the right half as [BN, C / 16, 16] bytes
                 raw = kv_r.index(st).reinterpret(gl.uint8, [BN, C // 16, 16], BYTES)
             else:
                 raw = kv_r.index(st)._reinterpret(gl.uint8, [BN, C // 16, 16], BYTES)
-            _copy_codes(raw.slice(0, RC), KV8, SEL, n0, hi, C, W, RC, CP)                # commit groups 1 to 4
+            _copy_codes(raw.slice(0, RC), KV8, SEL, n0, hi, C, W, RC, CP)                # commit groups 2 to 5
             _copy_codes(raw.slice(RC, RC), KV8, SEL, n0 + RC, hi, C, W, RC, CP)
             _copy_codes(raw.slice(2 * RC, RC), KV8, SEL, n0 + 2 * RC, hi, C, W, RC, CP)
             _copy_codes(raw.slice(3 * RC, RC), KV8, SEL, n0 + 3 * RC, hi, C, W, RC, CP)
-            s_pe = gl.load(SEL + n0 + n_rope, mask=n0 + n_rope < hi, other=-1)           # group 5: rope values
-            _async_load(kv_pe.index(st), KV16 + gl.expand_dims(gl.where(s_pe >= 0, s_pe, 0).to(gl.int64) * (W // 2), 1)
-                        + (C + 4 * (C // 128)) // 2 + gl.expand_dims(c_rope, 0), mask=gl.expand_dims(s_pe >= 0, 1))
-            async_copy.commit_group()
             sa = gl.load(SEL + n0 + rows, mask=n0 + rows < hi, other=-1)   # each chunk's scales, while the
             sb = gl.load(SEL + n0 + RC + rows, mask=n0 + RC + rows < hi, other=-1)      # copies fly
             sc = gl.load(SEL + n0 + 2 * RC + rows, mask=n0 + 2 * RC + rows < hi, other=-1)
@@ -182,16 +183,16 @@ if gluon is not None:
             rc = _scales(KV32, sc, j, 2, C, W)
             rd = _scales(KV32, sd, j, 2, C, W)
             left = kv_l.index(st)                                      # the left half, a chunk once it lands
-            async_copy.wait_group(4)                                   # (each thread's own groups, then all
-            _cta_barrier()                                             # four warps')
+            async_copy.wait_group(3)                                   # the rope values and chunk 0 (each
+            _cta_barrier()                                             # thread's own groups, then all four warps')
             left.slice(0, RC).store(_decoded(raw.slice(0, RC).slice(0, 16, dim=1).load(L3), la, CH))
-            async_copy.wait_group(3)
-            _cta_barrier()
-            left.slice(RC, RC).store(_decoded(raw.slice(RC, RC).slice(0, 16, dim=1).load(L3), lb, CH))
             async_copy.wait_group(2)
             _cta_barrier()
+            left.slice(RC, RC).store(_decoded(raw.slice(RC, RC).slice(0, 16, dim=1).load(L3), lb, CH))
+            async_copy.wait_group(1)
+            _cta_barrier()
             left.slice(2 * RC, RC).store(_decoded(raw.slice(2 * RC, RC).slice(0, 16, dim=1).load(L3), lc, CH))
-            async_copy.wait_group(0)                                   # the last chunk and the rope values
+            async_copy.wait_group(0)
             _cta_barrier()
             left.slice(3 * RC, RC).store(_decoded(raw.slice(3 * RC, RC).slice(0, 16, dim=1).load(L3), ld, CH))
             xa = raw.slice(0, RC).slice(16, 16, dim=1).load(L3)        # the right half's bytes, all read
@@ -328,7 +329,7 @@ if gluon is not None:
         b, t = bt // T, bt % T
         hi = gl.minimum(gl.load(POS).to(gl.int32) + t + 1, KSEL)      # at most position + 1 entries
         steps = gl.cdiv(hi, BN)
-        head0 = bt.to(gl.int64) * H + hb * BH                          # this program's first (token, head) row
+        head0 = bt * H + hb * BH                                       # this program's first (token, head) row
         # q^C and q^R -> shared memory as bf16 (the default warpgroup, before the split; 64 columns at a time)
         BIG: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -337,11 +338,11 @@ if gluon is not None:
         q_l = gl.allocate_shared_memory(gl.bfloat16, [BH, CH], BIG)
         q_r = gl.allocate_shared_memory(gl.bfloat16, [BH, CH], BIG)
         for c0 in gl.static_range(0, CH, R):
-            at = QA + gl.expand_dims((head0 + rh) * C, 1) + c0 + gl.expand_dims(rr, 0)
+            at = QA + gl.expand_dims((head0 + rh).to(gl.int64) * C, 1) + c0 + gl.expand_dims(rr, 0)
             q_l.slice(c0, R, dim=1).store(gl.load(at).to(gl.bfloat16))
             q_r.slice(c0, R, dim=1).store(gl.load(at + CH).to(gl.bfloat16))
         q_pe = gl.allocate_shared_memory(gl.bfloat16, [BH, R], BIG, gl.load(
-            QPE + gl.expand_dims((head0 + rh) * R, 1) + gl.expand_dims(rr, 0)).to(gl.bfloat16))
+            QPE + gl.expand_dims((head0 + rh).to(gl.int64) * R, 1) + gl.expand_dims(rr, 0)).to(gl.bfloat16))
         kv_l = gl.allocate_shared_memory(gl.bfloat16, [2, BN, CH], BIG)
         kv_r = gl.allocate_shared_memory(gl.bfloat16, [2, BN, CH], BIG)
         kv_pe = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], BIG)
