@@ -8,8 +8,9 @@ something plain Triton cannot say: warpgroups doing different work at once (warp
                              (_mla_gather)               shared buffers (cp.async; unselected rows zero-filled)
                            producer, packed FP8 rows     the same rows' codes by cp.async into a stage as
                              (_mla_dequant)              bytes, 16 rows a commit group, each group decoded
-                                                         there into bf16 (times its power-of-two scale)
-                                                         as soon as it lands
+                                                         in place into bf16 (times its power-of-two scale)
+                                                         as soon as it lands; the next step's copies issued
+                                                         as soon as a step is decoded
                            consumer 0 (_mla_scores_left, the scores z = q^C . c + q^R . k^R (wgmma), the
                              the default partition)      online softmax, p and alpha to shared memory,
                                                          o[:, :256] = alpha o + p c[:, :256]
@@ -137,102 +138,128 @@ if gluon is not None:
                      C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr):
         """Producer warpgroup for packed FP8 rows (C e4m3 codes, C / 128 power-of-two float32 scales, R
         bf16 rope values: kernels_cuda.latent_width bytes): step i's selected rows -> stage i % 2 as bf16.
-        The rows' codes land by cp.async in the stage's right half as bytes (64 x 512 bytes: its size),
-        16 rows a commit group, the rope values in place, the scales in registers. Each group's codes
-        times their group's scale (exact, as the plain kernel's _latent_cols) go to the left half as soon
-        as the group lands (while the later groups fly); then the right half's codes, all read into
-        registers first, are written decoded over their own bytes. Unselected rows: zeros."""
+        Step i + 1's copies are issued as soon as step i is decoded (its stage is free by then), before
+        step i is handed over, with its positions loaded while step i decodes and its scales while its
+        copies fly: the rope values in place (commit group 1), the codes as bytes in the stage's right
+        half (groups 2 to 5, 16 rows each), a row's four 128-code groups in its own row of the right
+        half's four 64-column tiles, the bytes its decoded values will fill. A chunk, once landed, is
+        read whole into registers and written decoded (code times its group's scale: exact, as the plain
+        kernel's _latent_cols) to the left half and over its own bytes. Unselected rows: zeros."""
         CH: gl.constexpr = C // 2
         W: gl.constexpr = C + 4 * (C // 128) + 2 * R                   # bytes a row
-        RC: gl.constexpr = 16                                          # rows a chunk (a commit group)
-        CP: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [4, 1, 1], [2, 1, 0])   # [RC, 32, 16]: a row a warp
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [4, 1, 1], [2, 1, 0])   # [RC, 16, 16]: half rows
-        SC: gl.constexpr = gl.SliceLayout(2, L3)                       # a thread's 16 codes' scale
+        RC: gl.constexpr = 16                                          # rows a chunk (a commit group); at C = 512,
+                                                                       # BN = 64: four chunks, four scale groups
+                                                                       # and four column tiles a half
+        CP: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [1, 4, 1], [2, 1, 0])  # [4, RC, 128] copies
+        DEC: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 2, 8], [4, 1, 1], [2, 1, 0])  # [RC, 2, 128] decode
         ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # [16, 64] a pass
-        BYTES: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
-        rows = gl.arange(0, RC, layout=gl.SliceLayout(1, SC))
-        j = gl.arange(0, 16, layout=gl.SliceLayout(0, SC))             # a half row's 16-code pieces
+        # the right half [BN, CH] bf16 (NVMMA: four [BN, 64] column tiles of 128-byte rows) as bytes
+        # [4, BN, 128]: [t, r, :] is row r of tile t, wherever the swizzle puts each value within it
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+        n_cp = gl.arange(0, RC, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP)))
+        n_dec = gl.arange(0, RC, layout=gl.SliceLayout(1, gl.SliceLayout(2, DEC)))
+        g_dec = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, DEC)))
         n_rope = gl.arange(0, BN, layout=gl.SliceLayout(1, ROPE))
         c_rope = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE))
+        # step 0's copies and scales (its stage is free)
+        s_pe, s0, s1, s2, s3 = _step_rows(SEL, 0, hi, n_rope, n_cp, RC)
+        _issue_step(kv_pe.index(0), _as_bytes(kv_r.index(0), BN, RAW), KV8, KV16, s_pe, s0, s1, s2, s3, c_rope,
+                    C, W, CP)
+        l0, l1, l2, l3, r0, r1, r2, r3 = _step_scales(KV32, SEL, 0, hi, n_dec, g_dec, C, W, RC)
         for i in range(steps):
             st = i % 2
-            n0 = i * BN
-            s_pe = gl.load(SEL + n0 + n_rope, mask=n0 + n_rope < hi, other=-1)
-            mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)          # both consumers are done with it
-            _async_load(kv_pe.index(st), KV16 + gl.expand_dims(gl.where(s_pe >= 0, s_pe, 0).to(gl.int64) * (W // 2), 1)
-                        + (C + 4 * (C // 128)) // 2 + gl.expand_dims(c_rope, 0), mask=gl.expand_dims(s_pe >= 0, 1))
-            async_copy.commit_group()                                  # commit group 1: the rope values
-            if _PUBLIC_REINTERPRET:                                    # the right half as [BN, C / 16, 16] bytes
-                raw = kv_r.index(st).reinterpret(gl.uint8, [BN, C // 16, 16], BYTES)
-            else:
-                raw = kv_r.index(st)._reinterpret(gl.uint8, [BN, C // 16, 16], BYTES)
-            _copy_codes(raw.slice(0, RC), KV8, SEL, n0, hi, C, W, RC, CP)                # commit groups 2 to 5
-            _copy_codes(raw.slice(RC, RC), KV8, SEL, n0 + RC, hi, C, W, RC, CP)
-            _copy_codes(raw.slice(2 * RC, RC), KV8, SEL, n0 + 2 * RC, hi, C, W, RC, CP)
-            _copy_codes(raw.slice(3 * RC, RC), KV8, SEL, n0 + 3 * RC, hi, C, W, RC, CP)
-            sa = gl.load(SEL + n0 + rows, mask=n0 + rows < hi, other=-1)   # each chunk's scales, while the
-            sb = gl.load(SEL + n0 + RC + rows, mask=n0 + RC + rows < hi, other=-1)      # copies fly
-            sc = gl.load(SEL + n0 + 2 * RC + rows, mask=n0 + 2 * RC + rows < hi, other=-1)
-            sd = gl.load(SEL + n0 + 3 * RC + rows, mask=n0 + 3 * RC + rows < hi, other=-1)
-            la = _scales(KV32, sa, j, 0, C, W)
-            lb = _scales(KV32, sb, j, 0, C, W)
-            lc = _scales(KV32, sc, j, 0, C, W)
-            ld = _scales(KV32, sd, j, 0, C, W)
-            ra = _scales(KV32, sa, j, 2, C, W)
-            rb = _scales(KV32, sb, j, 2, C, W)
-            rc = _scales(KV32, sc, j, 2, C, W)
-            rd = _scales(KV32, sd, j, 2, C, W)
-            left = kv_l.index(st)                                      # the left half, a chunk once it lands
-            async_copy.wait_group(3)                                   # the rope values and chunk 0 (each
-            _cta_barrier()                                             # thread's own groups, then all four warps')
-            left.slice(0, RC).store(_decoded(raw.slice(0, RC).slice(0, 16, dim=1).load(L3), la, CH))
-            async_copy.wait_group(2)
-            _cta_barrier()
-            left.slice(RC, RC).store(_decoded(raw.slice(RC, RC).slice(0, 16, dim=1).load(L3), lb, CH))
-            async_copy.wait_group(1)
-            _cta_barrier()
-            left.slice(2 * RC, RC).store(_decoded(raw.slice(2 * RC, RC).slice(0, 16, dim=1).load(L3), lc, CH))
-            async_copy.wait_group(0)
-            _cta_barrier()
-            left.slice(3 * RC, RC).store(_decoded(raw.slice(3 * RC, RC).slice(0, 16, dim=1).load(L3), ld, CH))
-            xa = raw.slice(0, RC).slice(16, 16, dim=1).load(L3)        # the right half's bytes, all read
-            xb = raw.slice(RC, RC).slice(16, 16, dim=1).load(L3)       # before any is written over
-            xc = raw.slice(2 * RC, RC).slice(16, 16, dim=1).load(L3)
-            xd = raw.slice(3 * RC, RC).slice(16, 16, dim=1).load(L3)
-            _cta_barrier()
-            right = kv_r.index(st)
-            right.slice(0, RC).store(_decoded(xa, ra, CH))
-            right.slice(RC, RC).store(_decoded(xb, rb, CH))
-            right.slice(2 * RC, RC).store(_decoded(xc, rc, CH))
-            right.slice(3 * RC, RC).store(_decoded(xd, rd, CH))
+            raw = _as_bytes(kv_r.index(st), BN, RAW)
+            left, right = kv_l.index(st), kv_r.index(st)
+            s_pe, s0, s1, s2, s3 = _step_rows(SEL, (i + 1) * BN, hi, n_rope, n_cp, RC)
+            for k in gl.static_range(4):                               # step i's chunks as they land
+                async_copy.wait_group(3 - k)                           # each thread's own groups up to chunk k,
+                _cta_barrier()                                         # then all four warps'
+                _decode_chunk(raw.slice(k * RC, RC, dim=1), left.slice(k * RC, RC), right.slice(k * RC, RC),
+                              (l0, l1, l2, l3)[k], (r0, r1, r2, r3)[k], DEC)
+            if i + 1 < steps:                                          # step i + 1's copies, its stage free
+                mbarrier.wait(free.index((i + 1) % 2), (((i + 1) // 2) & 1) ^ 1)
+                _issue_step(kv_pe.index((i + 1) % 2), _as_bytes(kv_r.index((i + 1) % 2), BN, RAW), KV8, KV16,
+                            s_pe, s0, s1, s2, s3, c_rope, C, W, CP)
+            l0, l1, l2, l3, r0, r1, r2, r3 = _step_scales(KV32, SEL, (i + 1) * BN, hi, n_dec, g_dec, C, W, RC)
             fence_async_shared()                                       # the stores, for the consumers' wgmma
             _cta_barrier()                                             # all four warps' stores
             mbarrier.arrive(ready.index(st), count=1)
 
     @gluon.jit
-    def _copy_codes(raw, KV8, SEL, n, hi, C: gl.constexpr, W: gl.constexpr, RC: gl.constexpr, CP: gl.constexpr):
-        """cp.async the C codes of the RC rows at SEL[n:n + RC] (-1: none) -> raw [RC, C / 16, 16] (bytes),
-        as a commit group of their own."""
-        r = gl.arange(0, RC, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
-        s = gl.load(SEL + n + r, mask=n + r < hi, other=-1)
-        piece = (gl.expand_dims(gl.expand_dims(gl.arange(0, C // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP))), 0), 2)
-                 * 16 + gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP))), 0), 1))
-        row = gl.expand_dims(gl.expand_dims(gl.where(s >= 0, s, 0).to(gl.int64) * W, 1), 2)
-        _async_load(raw, KV8 + row + piece, mask=gl.expand_dims(gl.expand_dims(s >= 0, 1), 2))
+    def _as_bytes(half, BN: gl.constexpr, RAW: gl.constexpr):
+        """A stage's right half [BN, 256] bf16 as bytes [4, BN, 128] (column tile, row, byte)."""
+        if _PUBLIC_REINTERPRET:
+            return half.reinterpret(gl.uint8, [4, BN, 128], RAW)
+        else:
+            return half._reinterpret(gl.uint8, [4, BN, 128], RAW)
+
+    @gluon.jit
+    def _step_rows(SEL, n0, hi, n_rope, n_cp, RC: gl.constexpr):
+        """A step's selected positions (-1: none) in the layouts of the rope copy and the code copies."""
+        s_pe = gl.load(SEL + n0 + n_rope, mask=n0 + n_rope < hi, other=-1)
+        s0 = gl.load(SEL + n0 + n_cp, mask=n0 + n_cp < hi, other=-1)
+        s1 = gl.load(SEL + n0 + RC + n_cp, mask=n0 + RC + n_cp < hi, other=-1)
+        s2 = gl.load(SEL + n0 + 2 * RC + n_cp, mask=n0 + 2 * RC + n_cp < hi, other=-1)
+        s3 = gl.load(SEL + n0 + 3 * RC + n_cp, mask=n0 + 3 * RC + n_cp < hi, other=-1)
+        return s_pe, s0, s1, s2, s3
+
+    @gluon.jit
+    def _issue_step(pe, raw, KV8, KV16, s_pe, s0, s1, s2, s3, c_rope, C: gl.constexpr, W: gl.constexpr,
+                    CP: gl.constexpr):
+        """cp.async a step's rope values -> pe (commit group 1) and its codes -> raw, 16 rows a group (2-5)."""
+        _async_load(pe, KV16 + gl.expand_dims(gl.where(s_pe >= 0, s_pe, 0).to(gl.int64) * (W // 2), 1)
+                    + (C + 4 * (C // 128)) // 2 + gl.expand_dims(c_rope, 0), mask=gl.expand_dims(s_pe >= 0, 1))
+        async_copy.commit_group()
+        RC: gl.constexpr = s0.shape[0]
+        _copy_codes(raw.slice(0, RC, dim=1), KV8, s0, C, W, CP)
+        _copy_codes(raw.slice(RC, RC, dim=1), KV8, s1, C, W, CP)
+        _copy_codes(raw.slice(2 * RC, RC, dim=1), KV8, s2, C, W, CP)
+        _copy_codes(raw.slice(3 * RC, RC, dim=1), KV8, s3, C, W, CP)
+
+    @gluon.jit
+    def _copy_codes(raw, KV8, s, C: gl.constexpr, W: gl.constexpr, CP: gl.constexpr):
+        """cp.async the C codes of the rows at positions s [RC] (-1: none) -> raw [C / 128, RC, 128] (bytes:
+        a row's codes 128 to a line, one line in each column tile), as a commit group of their own."""
+        t = gl.arange(0, C // 128, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
+        c = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
+        row = gl.expand_dims(gl.expand_dims(gl.where(s >= 0, s, 0).to(gl.int64) * W, 0), 2)
+        at = KV8 + row + gl.expand_dims(gl.expand_dims(t * 128, 1), 2) + gl.expand_dims(gl.expand_dims(c, 0), 1)
+        _async_load(raw, at, mask=gl.expand_dims(gl.expand_dims(s >= 0, 0), 2))
         async_copy.commit_group()
 
     @gluon.jit
-    def _scales(KV32, s, j, g0: gl.constexpr, C: gl.constexpr, W: gl.constexpr):
-        """The scale of each thread's 16 codes in groups g0, g0 + 1 of the rows at positions s (-1: 0)."""
+    def _step_scales(KV32, SEL, n0, hi, n, g, C: gl.constexpr, W: gl.constexpr, RC: gl.constexpr):
+        """A step's chunks' scales of groups 0-1 (the left half) and 2-3 (the right) [RC, 2] (unselected: 0)."""
+        d0 = gl.load(SEL + n0 + n, mask=n0 + n < hi, other=-1)
+        d1 = gl.load(SEL + n0 + RC + n, mask=n0 + RC + n < hi, other=-1)
+        d2 = gl.load(SEL + n0 + 2 * RC + n, mask=n0 + 2 * RC + n < hi, other=-1)
+        d3 = gl.load(SEL + n0 + 3 * RC + n, mask=n0 + 3 * RC + n < hi, other=-1)
+        return (_scales(KV32, d0, g, 0, C, W), _scales(KV32, d1, g, 0, C, W), _scales(KV32, d2, g, 0, C, W),
+                _scales(KV32, d3, g, 0, C, W), _scales(KV32, d0, g, 2, C, W), _scales(KV32, d1, g, 2, C, W),
+                _scales(KV32, d2, g, 2, C, W), _scales(KV32, d3, g, 2, C, W))
+
+    @gluon.jit
+    def _scales(KV32, s, g, g0: gl.constexpr, C: gl.constexpr, W: gl.constexpr):
+        """The scales of groups g0 + g of the rows at positions s (-1: 0)."""
         ok = s >= 0
-        at = gl.expand_dims(gl.where(ok, s, 0).to(gl.int64) * (W // 4) + C // 4 + g0, 1) + gl.expand_dims(j // 8, 0)
+        at = gl.expand_dims(gl.where(ok, s, 0).to(gl.int64) * (W // 4) + C // 4 + g0, 1) + gl.expand_dims(g, 0)
         return gl.load(KV32 + at, mask=gl.expand_dims(ok, 1), other=0.0)
 
     @gluon.jit
-    def _decoded(codes, scale, CH: gl.constexpr):
-        """e4m3 codes [rows, 16, 16] (bytes) times their scale [rows, 16] -> bf16 [rows, CH], exactly."""
-        x = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)
-        return gl.reshape(x.to(gl.bfloat16), [codes.shape[0], CH])
+    def _decode_chunk(raw, left, right, ls, rs, DEC: gl.constexpr):
+        """A landed chunk's codes raw [4, RC, 128] (bytes) times their scales ls, rs [RC, 2] (groups 0-1,
+        2-3) -> left, right [RC, CH] bf16, exactly; right's rows are raw's own bytes, so all are read first."""
+        a = raw.slice(0, 2, dim=0).permute((1, 0, 2)).load(DEC)      # [RC, 2, 128]: codes 0 .. 255 of each row
+        b = raw.slice(2, 2, dim=0).permute((1, 0, 2)).load(DEC)      # codes 256 .. 511
+        left.store(_decoded(a, ls))
+        _cta_barrier()                                                 # every warp's codes read
+        right.store(_decoded(b, rs))
+
+    @gluon.jit
+    def _decoded(codes, scale):
+        """e4m3 codes [rows, 2, 128] (bytes) times their group's scale [rows, 2] -> bf16 [rows, 256], exactly."""
+        x = (codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)).to(gl.bfloat16)
+        return gl.reshape(x, [codes.shape[0], 2 * codes.shape[2]])
 
     @gluon.jit
     def _mla_right(kv_r, p_s, alpha_s, inv_s, free, p_ready, p_free, done, O, head0, steps,
