@@ -6,15 +6,16 @@ something plain Triton cannot say: warpgroups doing different work at once (warp
                          program, three warpgroups:
                            producer, bf16 rows           gathers the next selected rows into one of two
                              (_mla_gather)               shared buffers (cp.async; unselected rows zero-filled)
-                           producer, packed FP8 rows     the same rows' codes by cp.async into a stage as
-                             (_mla_dequant)              bytes, 16 rows a commit group, each group decoded
-                                                         in place into bf16 (times its power-of-two scale)
-                                                         as soon as it lands; the next step's copies issued
-                                                         as soon as a step is decoded
+                           producer, packed FP8 rows     decodes the rows consumer 1 copies into a stage
+                             (_mla_dequant)              (codes as bytes, scales, rope values), in place into
+                                                         bf16 (times their power-of-two scales), 16 rows at
+                                                         a time as they land
                            consumer 0 (_mla_scores_left, the scores z = q^C . c + q^R . k^R (wgmma), the
                              the default partition)      online softmax, p and alpha to shared memory,
                                                          o[:, :256] = alpha o + p c[:, :256]
-                           consumer 1 (_mla_right)       o[:, 256:] = alpha o + p c[:, 256:]
+                           consumer 1 (_mla_right)       o[:, 256:] = alpha o + p c[:, 256:]; for packed FP8
+                                                         rows it also issues the copies, a step's as soon as
+                                                         both consumers are through with its stage
                          so the gather, the score MMA and half the value MMA of different steps overlap
                          (the split of FlashMLA's and TileLang's pipelined kernels, written here anew).
                                                                   reference: kernels_cuda._sparse_mla_kernel
@@ -100,7 +101,21 @@ if gluon is not None:
     # sparse MLA prefill, warp-specialised. Shared memory (bf16): q^C [64, 512] as two 256-column
     # halves, q^R [64, 64], two stages of gathered rows (latent halves [64, 256] x 2, rope [64, 64]),
     # p [64, 64], alpha and 1 / l [64] in float32: 225 KB of the H200's 227. Registers (of 168 a thread
-    # on average): consumer 0 240 (o's half, the score tile), consumer 1 168, the producer 96.
+    # on average): consumer 0 240 (o's half, the score tile), consumer 1 168, the producer 96; for packed
+    # FP8 rows consumer 1 192 (it issues the copies too), the producer 72.
+
+    # Packed FP8 rows. A half [BN, 256] bf16 of a stage, in its NVMMA layout with 128-byte swizzling, is four
+    # [BN, 64] column tiles of 128-byte lines, tile after tile; a row's 256 values fill its own line in each
+    # tile. The rows' codes for that half (two groups of 128) land as bytes in their lines of tiles 0 and 1,
+    # and the rows' four scales in the first 16 bytes of their line in tile 2, so a row decodes over its own
+    # bytes. Layouts (four warps): RAW, RAW2 the half as plain bytes or words; CP [2, 16, 128] code copies (16
+    # bytes a thread); SC [32, 4] scale copies; DEC [8, 2, 128] decoding (16 codes a thread); ROPE [16, 64].
+    RAW = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
+    RAW2 = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+    CP = gl.constexpr(gl.BlockedLayout([1, 1, 16], [1, 4, 8], [1, 4, 1], [2, 1, 0]))
+    SC = gl.constexpr(gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0]))
+    DEC = gl.constexpr(gl.BlockedLayout([1, 1, 16], [2, 2, 8], [4, 1, 1], [2, 1, 0]))
+    ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
     @gluon.jit
     def _mla_gather(kv_l, kv_r, kv_pe, ready, free, KV, SEL, hi, steps,
@@ -108,7 +123,6 @@ if gluon is not None:
         """Producer warpgroup: step i's selected rows -> stage i % 2 (c_rope.async, unselected rows zero-filled)."""
         CH: gl.constexpr = C // 2
         LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])   # [4, 256] a pass: 16 B a thread
-        ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # [16, 64] a pass
         n_lat = gl.arange(0, BN, layout=gl.SliceLayout(1, LAT))
         n_rope = gl.arange(0, BN, layout=gl.SliceLayout(1, ROPE))
         c_lat = gl.arange(0, CH, layout=gl.SliceLayout(0, LAT))
@@ -134,140 +148,129 @@ if gluon is not None:
             async_copy.mbarrier_arrive(ready.index(st), increment_count=False)   # each thread, once its copies land
 
     @gluon.jit
-    def _mla_dequant(kv_l, kv_r, kv_pe, ready, free, KV8, KV32, KV16, SEL, hi, steps,
-                     C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr):
+    def _mla_dequant(kv_l, kv_r, ready, landed, steps, BN: gl.constexpr):
         """Producer warpgroup for packed FP8 rows (C e4m3 codes, C / 128 power-of-two float32 scales, R
-        bf16 rope values: kernels_cuda.latent_width bytes): step i's selected rows -> stage i % 2 as bf16.
-        Step i + 1's copies are issued as soon as step i is decoded (its stage is free by then), before
-        step i is handed over, with its positions loaded while step i decodes and its scales while its
-        copies fly: the rope values in place (commit group 1), the codes as bytes in the stage's right
-        half (groups 2 to 5, 16 rows each), a row's four 128-code groups in its own row of the right
-        half's four 64-column tiles, the bytes its decoded values will fill. A chunk, once landed, is
-        read whole into registers and written decoded (code times its group's scale: exact, as the plain
-        kernel's _latent_cols) to the left half and over its own bytes. Unselected rows: zeros."""
-        CH: gl.constexpr = C // 2
-        W: gl.constexpr = C + 4 * (C // 128) + 2 * R                   # bytes a row
-        RC: gl.constexpr = 16                                          # rows a chunk (a commit group); at C = 512,
-                                                                       # BN = 64: four chunks, four scale groups
-                                                                       # and four column tiles a half
-        CP: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [1, 4, 1], [2, 1, 0])  # [4, RC, 128] copies
-        DEC: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 2, 8], [4, 1, 1], [2, 1, 0])  # [RC, 2, 128] decode
-        ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # [16, 64] a pass
-        # the right half [BN, CH] bf16 (NVMMA: four [BN, 64] column tiles of 128-byte rows) as bytes
-        # [4, BN, 128]: [t, r, :] is row r of tile t, wherever the swizzle puts each value within it
-        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
-        n_cp = gl.arange(0, RC, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP)))
-        n_dec = gl.arange(0, RC, layout=gl.SliceLayout(1, gl.SliceLayout(2, DEC)))
-        g_dec = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, DEC)))
-        n_rope = gl.arange(0, BN, layout=gl.SliceLayout(1, ROPE))
-        c_rope = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE))
-        # step 0's copies and scales (its stage is free)
-        s_pe, s0, s1, s2, s3 = _step_rows(SEL, 0, hi, n_rope, n_cp, RC)
-        _issue_step(kv_pe.index(0), _as_bytes(kv_r.index(0), BN, RAW), KV8, KV16, s_pe, s0, s1, s2, s3, c_rope,
-                    C, W, CP)
-        l0, l1, l2, l3, r0, r1, r2, r3 = _step_scales(KV32, SEL, 0, hi, n_dec, g_dec, C, W, RC)
+        bf16 rope values: kernels_cuda.latent_width bytes): decodes step i's rows in stage i % 2 as they
+        land, 16 at a time (consumer 1 copies them in, _mla_right: each half's codes as bytes in that
+        half, the scales beside them, the rope values in place). A chunk's codes, once landed, are read
+        whole into registers and written decoded over their own bytes."""
+        RC: gl.constexpr = BN // 4                                     # rows a chunk
         for i in range(steps):
             st = i % 2
-            raw = _as_bytes(kv_r.index(st), BN, RAW)
-            left, right = kv_l.index(st), kv_r.index(st)
-            s_pe, s0, s1, s2, s3 = _step_rows(SEL, (i + 1) * BN, hi, n_rope, n_cp, RC)
             for k in gl.static_range(4):                               # step i's chunks as they land
-                async_copy.wait_group(3 - k)                           # each thread's own groups up to chunk k,
-                _cta_barrier()                                         # then all four warps'
-                _decode_chunk(raw.slice(k * RC, RC, dim=1), left.slice(k * RC, RC), right.slice(k * RC, RC),
-                              (l0, l1, l2, l3)[k], (r0, r1, r2, r3)[k], DEC)
-            if i + 1 < steps:                                          # step i + 1's copies, its stage free
-                mbarrier.wait(free.index((i + 1) % 2), (((i + 1) // 2) & 1) ^ 1)
-                _issue_step(kv_pe.index((i + 1) % 2), _as_bytes(kv_r.index((i + 1) % 2), BN, RAW), KV8, KV16,
-                            s_pe, s0, s1, s2, s3, c_rope, C, W, CP)
-            l0, l1, l2, l3, r0, r1, r2, r3 = _step_scales(KV32, SEL, (i + 1) * BN, hi, n_dec, g_dec, C, W, RC)
+                mbarrier.wait(landed.index(4 * st + k), (i // 2) & 1)
+                _decode_chunk(kv_l.index(st), kv_r.index(st), k * RC, RC)
             fence_async_shared()                                       # the stores, for the consumers' wgmma
             _cta_barrier()                                             # all four warps' stores
             mbarrier.arrive(ready.index(st), count=1)
 
     @gluon.jit
-    def _as_bytes(half, BN: gl.constexpr, RAW: gl.constexpr):
-        """A stage's right half [BN, 256] bf16 as bytes [4, BN, 128] (column tile, row, byte)."""
+    def _as_bytes(half):
+        """A stage's half [BN, 256] bf16 as bytes [4, BN, 128] (column tile, row, byte)."""
         if _PUBLIC_REINTERPRET:
-            return half.reinterpret(gl.uint8, [4, BN, 128], RAW)
+            return half.reinterpret(gl.uint8, [4, half.shape[0], 128], RAW)
         else:
-            return half._reinterpret(gl.uint8, [4, BN, 128], RAW)
+            return half._reinterpret(gl.uint8, [4, half.shape[0], 128], RAW)
 
     @gluon.jit
-    def _step_rows(SEL, n0, hi, n_rope, n_cp, RC: gl.constexpr):
-        """A step's selected positions (-1: none) in the layouts of the rope copy and the code copies."""
-        s_pe = gl.load(SEL + n0 + n_rope, mask=n0 + n_rope < hi, other=-1)
-        s0 = gl.load(SEL + n0 + n_cp, mask=n0 + n_cp < hi, other=-1)
-        s1 = gl.load(SEL + n0 + RC + n_cp, mask=n0 + RC + n_cp < hi, other=-1)
-        s2 = gl.load(SEL + n0 + 2 * RC + n_cp, mask=n0 + 2 * RC + n_cp < hi, other=-1)
-        s3 = gl.load(SEL + n0 + 3 * RC + n_cp, mask=n0 + 3 * RC + n_cp < hi, other=-1)
-        return s_pe, s0, s1, s2, s3
+    def _scale_words(half):
+        """A stage's half [BN, 256] bf16 as float32 words, column tile 2's lines [BN, 32] (where the scales land)."""
+        BN: gl.constexpr = half.shape[0]
+        if _PUBLIC_REINTERPRET:
+            words = half.reinterpret(gl.float32, [4 * BN, 32], RAW2)
+        else:
+            words = half._reinterpret(gl.float32, [4 * BN, 32], RAW2)
+        return words.slice(2 * BN, BN, dim=0)
 
     @gluon.jit
-    def _issue_step(pe, raw, KV8, KV16, s_pe, s0, s1, s2, s3, c_rope, C: gl.constexpr, W: gl.constexpr,
-                    CP: gl.constexpr):
-        """cp.async a step's rope values -> pe (commit group 1) and its codes -> raw, 16 rows a group (2-5)."""
+    def _issue_step(kv_l, kv_r, pe, landed, st, KV8, KV32, KV16, s_pe, s_sc, s0, s1, s2, s3, C: gl.constexpr,
+                    R: gl.constexpr, W: gl.constexpr):
+        """cp.async a step's selected rows (positions as _step_rows gives them) into a stage: the rope values
+        -> pe, the scales -> both halves' tile 2, codes 0 .. C/2 - 1 -> kv_l and the rest -> kv_r as bytes;
+        16 rows a chunk, landed[4 st + k] told (each thread's arrival) once chunk k's copies and those before land."""
+        c = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE))
         _async_load(pe, KV16 + gl.expand_dims(gl.where(s_pe >= 0, s_pe, 0).to(gl.int64) * (W // 2), 1)
-                    + (C + 4 * (C // 128)) // 2 + gl.expand_dims(c_rope, 0), mask=gl.expand_dims(s_pe >= 0, 1))
-        async_copy.commit_group()
+                    + (C + 4 * (C // 128)) // 2 + gl.expand_dims(c, 0), mask=gl.expand_dims(s_pe >= 0, 1))
+        g = gl.arange(0, C // 128, layout=gl.SliceLayout(0, SC))
+        at = KV32 + gl.expand_dims(gl.where(s_sc >= 0, s_sc, 0).to(gl.int64) * (W // 4) + C // 4, 1) + gl.expand_dims(g, 0)
+        _async_load(_scale_words(kv_l).slice(0, C // 128, dim=1), at, mask=gl.expand_dims(s_sc >= 0, 1))
+        _async_load(_scale_words(kv_r).slice(0, C // 128, dim=1), at, mask=gl.expand_dims(s_sc >= 0, 1))
         RC: gl.constexpr = s0.shape[0]
-        _copy_codes(raw.slice(0, RC, dim=1), KV8, s0, C, W, CP)
-        _copy_codes(raw.slice(RC, RC, dim=1), KV8, s1, C, W, CP)
-        _copy_codes(raw.slice(2 * RC, RC, dim=1), KV8, s2, C, W, CP)
-        _copy_codes(raw.slice(3 * RC, RC, dim=1), KV8, s3, C, W, CP)
+        _copy_codes(kv_l, kv_r, landed.index(4 * st), 0, KV8, s0, C, W)
+        _copy_codes(kv_l, kv_r, landed.index(4 * st + 1), RC, KV8, s1, C, W)
+        _copy_codes(kv_l, kv_r, landed.index(4 * st + 2), 2 * RC, KV8, s2, C, W)
+        _copy_codes(kv_l, kv_r, landed.index(4 * st + 3), 3 * RC, KV8, s3, C, W)
 
     @gluon.jit
-    def _copy_codes(raw, KV8, s, C: gl.constexpr, W: gl.constexpr, CP: gl.constexpr):
-        """cp.async the C codes of the rows at positions s [RC] (-1: none) -> raw [C / 128, RC, 128] (bytes:
-        a row's codes 128 to a line, one line in each column tile), as a commit group of their own."""
-        t = gl.arange(0, C // 128, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
+    def _step_rows(SEL, n0, hi, BN: gl.constexpr, RC: gl.constexpr):
+        """A step's selected positions (-1: none) in the layouts of the rope, scale and code copies."""
+        n = gl.arange(0, BN, layout=gl.SliceLayout(1, ROPE))
+        s_pe = gl.load(SEL + n0 + n, mask=n0 + n < hi, other=-1)
+        m = gl.arange(0, BN, layout=gl.SliceLayout(1, SC))
+        s_sc = gl.load(SEL + n0 + m, mask=n0 + m < hi, other=-1)
+        r = gl.arange(0, RC, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP)))
+        s0 = gl.load(SEL + n0 + r, mask=n0 + r < hi, other=-1)
+        s1 = gl.load(SEL + n0 + RC + r, mask=n0 + RC + r < hi, other=-1)
+        s2 = gl.load(SEL + n0 + 2 * RC + r, mask=n0 + 2 * RC + r < hi, other=-1)
+        s3 = gl.load(SEL + n0 + 3 * RC + r, mask=n0 + 3 * RC + r < hi, other=-1)
+        return s_pe, s_sc, s0, s1, s2, s3
+
+    @gluon.jit
+    def _copy_codes(kv_l, kv_r, landed, r0: gl.constexpr, KV8, s, C: gl.constexpr, W: gl.constexpr):
+        """cp.async the codes of the rows at positions s [RC] (-1: none) -> rows r0 .. r0 + RC - 1 of both
+        halves as bytes (a row's half, 256 codes, in its lines of column tiles 0 and 1); then landed told."""
+        RC: gl.constexpr = s.shape[0]
+        t = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
         c = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
         row = gl.expand_dims(gl.expand_dims(gl.where(s >= 0, s, 0).to(gl.int64) * W, 0), 2)
         at = KV8 + row + gl.expand_dims(gl.expand_dims(t * 128, 1), 2) + gl.expand_dims(gl.expand_dims(c, 0), 1)
-        _async_load(raw, at, mask=gl.expand_dims(gl.expand_dims(s >= 0, 0), 2))
-        async_copy.commit_group()
+        ok = gl.expand_dims(gl.expand_dims(s >= 0, 0), 2)
+        _async_load(_as_bytes(kv_l).slice(0, 2, dim=0).slice(r0, RC, dim=1), at, mask=ok)
+        _async_load(_as_bytes(kv_r).slice(0, 2, dim=0).slice(r0, RC, dim=1), at + C // 2, mask=ok)
+        async_copy.mbarrier_arrive(landed, increment_count=False)     # each thread, once its copies land
 
     @gluon.jit
-    def _step_scales(KV32, SEL, n0, hi, n, g, C: gl.constexpr, W: gl.constexpr, RC: gl.constexpr):
-        """A step's chunks' scales of groups 0-1 (the left half) and 2-3 (the right) [RC, 2] (unselected: 0)."""
-        d0 = gl.load(SEL + n0 + n, mask=n0 + n < hi, other=-1)
-        d1 = gl.load(SEL + n0 + RC + n, mask=n0 + RC + n < hi, other=-1)
-        d2 = gl.load(SEL + n0 + 2 * RC + n, mask=n0 + 2 * RC + n < hi, other=-1)
-        d3 = gl.load(SEL + n0 + 3 * RC + n, mask=n0 + 3 * RC + n < hi, other=-1)
-        return (_scales(KV32, d0, g, 0, C, W), _scales(KV32, d1, g, 0, C, W), _scales(KV32, d2, g, 0, C, W),
-                _scales(KV32, d3, g, 0, C, W), _scales(KV32, d0, g, 2, C, W), _scales(KV32, d1, g, 2, C, W),
-                _scales(KV32, d2, g, 2, C, W), _scales(KV32, d3, g, 2, C, W))
-
-    @gluon.jit
-    def _scales(KV32, s, g, g0: gl.constexpr, C: gl.constexpr, W: gl.constexpr):
-        """The scales of groups g0 + g of the rows at positions s (-1: 0)."""
-        ok = s >= 0
-        at = gl.expand_dims(gl.where(ok, s, 0).to(gl.int64) * (W // 4) + C // 4 + g0, 1) + gl.expand_dims(g, 0)
-        return gl.load(KV32 + at, mask=gl.expand_dims(ok, 1), other=0.0)
-
-    @gluon.jit
-    def _decode_chunk(raw, left, right, ls, rs, DEC: gl.constexpr):
-        """A landed chunk's codes raw [4, RC, 128] (bytes) times their scales ls, rs [RC, 2] (groups 0-1,
-        2-3) -> left, right [RC, CH] bf16, exactly; right's rows are raw's own bytes, so all are read first."""
-        a = raw.slice(0, 2, dim=0).permute((1, 0, 2)).load(DEC)      # [RC, 2, 128]: codes 0 .. 255 of each row
-        b = raw.slice(2, 2, dim=0).permute((1, 0, 2)).load(DEC)      # codes 256 .. 511
-        left.store(_decoded(a, ls))
-        _cta_barrier()                                                 # every warp's codes read
-        right.store(_decoded(b, rs))
+    def _decode_chunk(left, right, r0: gl.constexpr, n: gl.constexpr):
+        """Rows r0 .. r0 + n - 1 of a stage, landed, decoded in place: each half's codes [n, 2, 128] (bytes,
+        column tiles 0 and 1) times their groups' scales (words 0, 1 of tile 2 in the left half, 2, 3 in
+        the right) -> bf16 [n, 256], exactly, as the plain kernel's _latent_cols (unselected rows landed
+        as zeros and decode to zeros). Both halves are read before either is written (a row's values fill
+        its own lines): one barrier a chunk."""
+        cl = _as_bytes(left).slice(0, 2, dim=0).slice(r0, n, dim=1).permute((1, 0, 2)).load(DEC)
+        sl = _scale_words(left).slice(r0, n, dim=0).slice(0, 2, dim=1).load(gl.SliceLayout(2, DEC))
+        cr = _as_bytes(right).slice(0, 2, dim=0).slice(r0, n, dim=1).permute((1, 0, 2)).load(DEC)
+        sr = _scale_words(right).slice(r0, n, dim=0).slice(2, 2, dim=1).load(gl.SliceLayout(2, DEC))
+        _cta_barrier()                                                 # every warp's codes and scales read
+        left.slice(r0, n).store(_decoded(cl, sl))
+        right.slice(r0, n).store(_decoded(cr, sr))
 
     @gluon.jit
     def _decoded(codes, scale):
-        """e4m3 codes [rows, 2, 128] (bytes) times their group's scale [rows, 2] -> bf16 [rows, 256], exactly."""
+        """e4m3 codes [n, 2, 128] (bytes) times their group's scale [n, 2] -> bf16 [n, 256], exactly."""
         x = (codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)).to(gl.bfloat16)
         return gl.reshape(x, [codes.shape[0], 2 * codes.shape[2]])
 
     @gluon.jit
-    def _mla_right(kv_r, p_s, alpha_s, inv_s, free, p_ready, p_free, done, O, head0, steps,
-                   C: gl.constexpr, BH: gl.constexpr):
-        """Consumer 1: o[:, 256:] = alpha o + p c[:, 256:] each step, then o / l."""
+    def _mla_right(kv_l, kv_r, kv_pe, p_s, alpha_s, inv_s, free, landed, p_ready, p_free, done, O, head0, steps,
+                   KV8, KV32, KV16, SEL, hi, C: gl.constexpr, R: gl.constexpr, BH: gl.constexpr, W: gl.constexpr,
+                   PACKED: gl.constexpr):
+        """Consumer 1: o[:, 256:] = alpha o + p c[:, 256:] each step, then o / l. For packed FP8 rows it
+        also copies the selected rows into the stages (the producer decodes them): steps 0 and 1 first,
+        step i + 2 as soon as both consumers are through with step i, whose stage it takes."""
         CH: gl.constexpr = C // 2
+        BN: gl.constexpr = kv_r.shape[1]
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CH, 16])
         acc = gl.zeros([BH, CH], gl.float32, ACC)
+        if PACKED:
+            RC: gl.constexpr = BN // 4
+            s_pe, s_sc, s0, s1, s2, s3 = _step_rows(SEL, 0, hi, BN, RC)
+            _issue_step(kv_l.index(0), kv_r.index(0), kv_pe.index(0), landed, 0, KV8, KV32, KV16,
+                        s_pe, s_sc, s0, s1, s2, s3, C, R, W)
+            s_pe, s_sc, s0, s1, s2, s3 = _step_rows(SEL, BN, hi, BN, RC)
+            if steps > 1:
+                _issue_step(kv_l.index(1), kv_r.index(1), kv_pe.index(1), landed, 1, KV8, KV32, KV16,
+                            s_pe, s_sc, s0, s1, s2, s3, C, R, W)
+            s_pe, s_sc, s0, s1, s2, s3 = _step_rows(SEL, 2 * BN, hi, BN, RC)
         for i in range(steps):
             st = i % 2
             mbarrier.wait(p_ready.index(0), i & 1)                     # p and alpha of step i (consumer 0
@@ -279,6 +282,12 @@ if gluon is not None:
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(p_free.index(0), count=1)
             mbarrier.arrive(free.index(st), count=1)
+            if PACKED:
+                if i + 2 < steps:                                      # step i + 2 into step i's stage, once
+                    mbarrier.wait(free.index(st), (i // 2) & 1)        # consumer 0 is through with it too
+                    _issue_step(kv_l.index(st), kv_r.index(st), kv_pe.index(st), landed, st, KV8,
+                                KV32, KV16, s_pe, s_sc, s0, s1, s2, s3, C, R, W)
+                    s_pe, s_sc, s0, s1, s2, s3 = _step_rows(SEL, (i + 3) * BN, hi, BN, RC)
         mbarrier.wait(done.index(0), 0)                                # 1 / l
         inv = inv_s.load(gl.SliceLayout(1, ACC))
         rh = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ACC))
@@ -379,12 +388,15 @@ if gluon is not None:
         inv_s = gl.allocate_shared_memory(gl.float32, [BH], ROW)
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        landed = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())   # packed: 4 chunks a stage
         p_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(2):
             if PACKED:
                 mbarrier.init(ready.index(st), count=1)                # the producer, once its stores are done
+                for k in gl.static_range(4):
+                    mbarrier.init(landed.index(4 * st + k), count=128) # consumer 1's threads' copies
             else:
                 mbarrier.init(ready.index(st), count=128)              # the producer's 128 threads' copies
             mbarrier.init(free.index(st), count=2)                     # both consumers
@@ -400,14 +412,16 @@ if gluon is not None:
             gl.warp_specialize([
                 (_mla_scores_left, (q_l, q_r, q_pe, kv_l, kv_r, kv_pe, p_s, alpha_s, inv_s, ready, free, p_ready,
                                     p_free, done, SEL, O, LSE, head0, hi, steps, qk_scale, C, BH, BN)),
-                (_mla_right, (kv_r, p_s, alpha_s, inv_s, free, p_ready, p_free, done, O, head0, steps, C, BH)),
-                (_mla_dequant, (kv_l, kv_r, kv_pe, ready, free, KV, KV32, KV16, SEL, hi, steps, C, R, BN)),
-            ], [4, 4], [168, 96])
+                (_mla_right, (kv_l, kv_r, kv_pe, p_s, alpha_s, inv_s, free, landed, p_ready, p_free, done, O, head0,
+                              steps, KV, KV32, KV16, SEL, hi, C, R, BH, W, True)),
+                (_mla_dequant, (kv_l, kv_r, ready, landed, steps, BN)),
+            ], [4, 4], [192, 72])
         else:
             gl.warp_specialize([
                 (_mla_scores_left, (q_l, q_r, q_pe, kv_l, kv_r, kv_pe, p_s, alpha_s, inv_s, ready, free, p_ready,
                                     p_free, done, SEL, O, LSE, head0, hi, steps, qk_scale, C, BH, BN)),
-                (_mla_right, (kv_r, p_s, alpha_s, inv_s, free, p_ready, p_free, done, O, head0, steps, C, BH)),
+                (_mla_right, (kv_l, kv_r, kv_pe, p_s, alpha_s, inv_s, free, landed, p_ready, p_free, done, O, head0,
+                              steps, KV, KV, KV, SEL, hi, C, R, BH, W, False)),
                 (_mla_gather, (kv_l, kv_r, kv_pe, ready, free, KV, SEL, hi, steps, C, R, BN)),
             ], [4, 4], [168, 96])
 
