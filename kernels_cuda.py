@@ -46,7 +46,8 @@ DSA kernels (DeepSeek Sparse Attention; the model calls them on a GPU through ba
                                                                     reference: attention.mqa_absorbed_ref
     On Hopper, sparse_mla_prefill (and sparse_mla_decode where its set stays whole: B=64 at 128 heads)
     over a bf16 or packed FP8 cache runs kernels_hopper's warp-specialised variant (Gluon: a producer
-    warpgroup gathers and decodes while two consumers compute), the same bits as the kernel here with
+    warpgroup gathers bf16 rows, or decodes the packed FP8 rows one consumer copies in, while two consumers
+    compute), the same bits as the kernel here with
     the latent whole (halves=False, late_sum=False: bf16 rows' defaults; FP8 rows' are the halves).
 
 Every kernel is shared with kernels_rocm.py: what differs by architecture (the FP8 flavour

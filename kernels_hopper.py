@@ -6,17 +6,17 @@ something plain Triton cannot say: warpgroups doing different work at once (warp
                          program, three warpgroups:
                            producer, bf16 rows           gathers the next selected rows into one of two
                              (_mla_gather)               shared buffers (cp.async; unselected rows zero-filled)
-                           producer, packed FP8 rows     decodes the rows consumer 1 copies into a stage
-                             (_mla_dequant)              (codes as bytes, scales, rope values), in place into
-                                                         bf16 (times their power-of-two scales), 16 rows at
-                                                         a time as they land
+                           producer, packed FP8 rows     decodes in place into bf16 the codes consumer 1
+                             (_mla_dequant)              copies into a stage (as bytes, their power-of-two
+                                                         scales beside them), 16 rows at a time as they land
                            consumer 0 (_mla_scores_left, the scores z = q^C . c + q^R . k^R (wgmma), the
                              the default partition)      online softmax, p and alpha to shared memory,
                                                          o[:, :256] = alpha o + p c[:, :256]
                            consumer 1 (_mla_right)       o[:, 256:] = alpha o + p c[:, 256:]; for packed FP8
                                                          rows it also issues the copies, a step's as soon as
                                                          both consumers are through with its stage
-                         so the gather, the score MMA and half the value MMA of different steps overlap
+                         so the gather (for packed FP8 rows the copies and the decoding), the score MMA and
+                         half the value MMA of different steps overlap
                          (the split of FlashMLA's and TileLang's pipelined kernels, written here anew).
                                                                   reference: kernels_cuda._sparse_mla_kernel
 
@@ -80,14 +80,15 @@ def takes(qa, q_pe, cache, idx):
     """Whether sparse_mla_prefill here takes this call (shapes checked by kernels_cuda._check_mla): rows
     of C_MLA latent and R_MLA rope values, bf16 or packed FP8 (uint8, kernels_cuda.latent_width bytes),
     bf16 or float32 queries (taken to bf16 as the plain kernel does), heads in blocks of 64, a selection
-    given, a sequence's rows and its (token, head) rows within 32-bit offsets. (Exact numerics' float32
+    of at least one entry given, a sequence's rows and its (token, head) rows within 32-bit offsets. (Exact numerics' float32
     rows: the plain kernel.)"""
     H, C, R = qa.shape[2], qa.shape[3], q_pe.shape[-1]
     width = latent_width(C, R) if cache.dtype == torch.uint8 else C + R   # bytes (packed) or values a row
     return (available(qa.device) and idx is not None and cache.dtype in (torch.bfloat16, torch.uint8)
             and qa.dtype in (torch.bfloat16, torch.float32) and q_pe.dtype in (torch.bfloat16, torch.float32)
             and cache.dim() == 3 and C == C_MLA and R == R_MLA and cache.shape[2] == width and H % BLOCK_H == 0
-            and cache.shape[1] * width < 2 ** 31 and qa.shape[0] * qa.shape[1] * H < 2 ** 31)
+            and idx.shape[-1] >= 1 and cache.shape[1] * width < 2 ** 31
+            and qa.shape[0] * qa.shape[1] * H < 2 ** 31)
 
 
 if gluon is not None:
@@ -109,10 +110,10 @@ if gluon is not None:
     # [BN, 64] column tiles of 128-byte lines, tile after tile; a row's 256 values fill its own line in each
     # tile. The rows' codes for that half (two groups of 128) land as bytes in their lines of tiles 0 and 1,
     # and the rows' four scales in the first 16 bytes of their line in tile 2, so a row decodes over its own
-    # bytes. Layouts (four warps): RAW, RAW2 the half as plain bytes or words; CP [2, 16, 128] code copies (16
+    # bytes. Layouts (four warps): BYTES, WORDS the half as plain bytes or words; CP [2, 16, 128] code copies (16
     # bytes a thread); SC [32, 4] scale copies; DEC [8, 2, 128] decoding (16 codes a thread); ROPE [16, 64].
-    RAW = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
-    RAW2 = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+    BYTES = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
+    WORDS = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
     CP = gl.constexpr(gl.BlockedLayout([1, 1, 16], [1, 4, 8], [1, 4, 1], [2, 1, 0]))
     SC = gl.constexpr(gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0]))
     DEC = gl.constexpr(gl.BlockedLayout([1, 1, 16], [2, 2, 8], [4, 1, 1], [2, 1, 0]))
@@ -121,7 +122,7 @@ if gluon is not None:
     @gluon.jit
     def _mla_gather(kv_l, kv_r, kv_pe, ready, free, KV, SEL, hi, steps,
                     C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr):
-        """Producer warpgroup: step i's selected rows -> stage i % 2 (c_rope.async, unselected rows zero-filled)."""
+        """Producer warpgroup: step i's selected rows -> stage i % 2 (cp.async, unselected rows zero-filled)."""
         CH: gl.constexpr = C // 2
         LAT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])   # [4, 256] a pass: 16 B a thread
         n_lat = gl.arange(0, BN, layout=gl.SliceLayout(1, LAT))
@@ -153,8 +154,9 @@ if gluon is not None:
         """Producer warpgroup for packed FP8 rows (C e4m3 codes, C / 128 power-of-two float32 scales, R
         bf16 rope values: kernels_cuda.latent_width bytes): decodes step i's rows in stage i % 2 as they
         land, 16 at a time (consumer 1 copies them in, _mla_right: each half's codes as bytes in that
-        half, the scales beside them, the rope values in place). A chunk's codes, once landed, are read
-        whole into registers and written decoded over their own bytes."""
+        half, the scales beside them, the rope values in place). A chunk, once landed, is read whole (both
+        halves' codes and their scales) into registers and written decoded over its own rows' lines; once
+        all four are, ready[st] is told."""
         RC: gl.constexpr = BN // 4                                     # rows a chunk
         for i in range(steps):
             st = i % 2
@@ -168,39 +170,39 @@ if gluon is not None:
     @gluon.jit
     def _as_bytes(half):
         """A stage's half [BN, 256] bf16 as bytes [4, BN, 128] (column tile, row, byte)."""
-        if _PUBLIC_REINTERPRET:
-            return half.reinterpret(gl.uint8, [4, half.shape[0], 128], RAW)
+        if _PUBLIC_REINTERPRET:                                        # Triton 3.9 / 3.6
+            return half.reinterpret(gl.uint8, [4, half.shape[0], 128], BYTES)
         else:
-            return half._reinterpret(gl.uint8, [4, half.shape[0], 128], RAW)
+            return half._reinterpret(gl.uint8, [4, half.shape[0], 128], BYTES)
 
     @gluon.jit
     def _scale_words(half):
         """A stage's half [BN, 256] bf16 as float32 words, column tile 2's lines [BN, 32] (where the scales land)."""
         BN: gl.constexpr = half.shape[0]
         if _PUBLIC_REINTERPRET:
-            words = half.reinterpret(gl.float32, [4 * BN, 32], RAW2)
+            words = half.reinterpret(gl.float32, [4 * BN, 32], WORDS)
         else:
-            words = half._reinterpret(gl.float32, [4 * BN, 32], RAW2)
+            words = half._reinterpret(gl.float32, [4 * BN, 32], WORDS)
         return words.slice(2 * BN, BN, dim=0)
 
     @gluon.jit
-    def _issue_step(kv_l, kv_r, pe, landed, st, KV8, KV32, KV16, s_pe, s_sc, s0, s1, s2, s3, C: gl.constexpr,
+    def _issue_step(left, right, pe, landed, st, KV8, KV32, KV16, s_pe, s_sc, s0, s1, s2, s3, C: gl.constexpr,
                     R: gl.constexpr, W: gl.constexpr):
         """cp.async a step's selected rows (positions as _step_rows gives them) into a stage: the rope values
-        -> pe, the scales -> both halves' tile 2, codes 0 .. C/2 - 1 -> kv_l and the rest -> kv_r as bytes;
+        -> pe, the scales -> both halves' tile 2, codes 0 .. C/2 - 1 -> left and the rest -> right as bytes;
         16 rows a chunk, landed[4 st + k] told (each thread's arrival) once chunk k's copies and those before land."""
         c = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE))
         _async_load(pe, KV16 + gl.expand_dims(gl.where(s_pe >= 0, s_pe, 0).to(gl.int64) * (W // 2), 1)
                     + (C + 4 * (C // 128)) // 2 + gl.expand_dims(c, 0), mask=gl.expand_dims(s_pe >= 0, 1))
         g = gl.arange(0, C // 128, layout=gl.SliceLayout(0, SC))
         at = KV32 + gl.expand_dims(gl.where(s_sc >= 0, s_sc, 0).to(gl.int64) * (W // 4) + C // 4, 1) + gl.expand_dims(g, 0)
-        _async_load(_scale_words(kv_l).slice(0, C // 128, dim=1), at, mask=gl.expand_dims(s_sc >= 0, 1))
-        _async_load(_scale_words(kv_r).slice(0, C // 128, dim=1), at, mask=gl.expand_dims(s_sc >= 0, 1))
+        _async_load(_scale_words(left).slice(0, C // 128, dim=1), at, mask=gl.expand_dims(s_sc >= 0, 1))
+        _async_load(_scale_words(right).slice(0, C // 128, dim=1), at, mask=gl.expand_dims(s_sc >= 0, 1))
         RC: gl.constexpr = s0.shape[0]
-        _copy_codes(kv_l, kv_r, landed.index(4 * st), 0, KV8, s0, C, W)
-        _copy_codes(kv_l, kv_r, landed.index(4 * st + 1), RC, KV8, s1, C, W)
-        _copy_codes(kv_l, kv_r, landed.index(4 * st + 2), 2 * RC, KV8, s2, C, W)
-        _copy_codes(kv_l, kv_r, landed.index(4 * st + 3), 3 * RC, KV8, s3, C, W)
+        _copy_codes(left, right, landed.index(4 * st), 0, KV8, s0, C, W)
+        _copy_codes(left, right, landed.index(4 * st + 1), RC, KV8, s1, C, W)
+        _copy_codes(left, right, landed.index(4 * st + 2), 2 * RC, KV8, s2, C, W)
+        _copy_codes(left, right, landed.index(4 * st + 3), 3 * RC, KV8, s3, C, W)
 
     @gluon.jit
     def _step_rows(SEL, n0, hi, BN: gl.constexpr, RC: gl.constexpr):
@@ -217,7 +219,7 @@ if gluon is not None:
         return s_pe, s_sc, s0, s1, s2, s3
 
     @gluon.jit
-    def _copy_codes(kv_l, kv_r, landed, r0: gl.constexpr, KV8, s, C: gl.constexpr, W: gl.constexpr):
+    def _copy_codes(left, right, landed, r0: gl.constexpr, KV8, s, C: gl.constexpr, W: gl.constexpr):
         """cp.async the codes of the rows at positions s [RC] (-1: none) -> rows r0 .. r0 + RC - 1 of both
         halves as bytes (a row's half, 256 codes, in its lines of column tiles 0 and 1); then landed told."""
         RC: gl.constexpr = s.shape[0]
@@ -226,8 +228,8 @@ if gluon is not None:
         row = gl.expand_dims(gl.expand_dims(gl.where(s >= 0, s, 0).to(gl.int64) * W, 0), 2)
         at = KV8 + row + gl.expand_dims(gl.expand_dims(t * 128, 1), 2) + gl.expand_dims(gl.expand_dims(c, 0), 1)
         ok = gl.expand_dims(gl.expand_dims(s >= 0, 0), 2)
-        _async_load(_as_bytes(kv_l).slice(0, 2, dim=0).slice(r0, RC, dim=1), at, mask=ok)
-        _async_load(_as_bytes(kv_r).slice(0, 2, dim=0).slice(r0, RC, dim=1), at + C // 2, mask=ok)
+        _async_load(_as_bytes(left).slice(0, 2, dim=0).slice(r0, RC, dim=1), at, mask=ok)
+        _async_load(_as_bytes(right).slice(0, 2, dim=0).slice(r0, RC, dim=1), at + C // 2, mask=ok)
         async_copy.mbarrier_arrive(landed, increment_count=False)     # each thread, once its copies land
 
     @gluon.jit
@@ -235,8 +237,9 @@ if gluon is not None:
         """Rows r0 .. r0 + n - 1 of a stage, landed, decoded in place: each half's codes [n, 2, 128] (bytes,
         column tiles 0 and 1) times their groups' scales (words 0, 1 of tile 2 in the left half, 2, 3 in
         the right) -> bf16 [n, 256], exactly, as the plain kernel's _latent_cols (unselected rows landed
-        as zeros and decode to zeros). Both halves are read before either is written (a row's values fill
-        its own lines): one barrier a chunk."""
+        as zeros and decode to zeros; exact: power-of-two scales). Both halves are read before either is
+        written (a row's values fill its own lines): one barrier of ours a chunk (Triton adds one before
+        the next chunk's loads, unable to tell the chunks' rows apart in these views)."""
         cl = _as_bytes(left).slice(0, 2, dim=0).slice(r0, n, dim=1).permute((1, 0, 2)).load(DEC)
         sl = _scale_words(left).slice(r0, n, dim=0).slice(0, 2, dim=1).load(gl.SliceLayout(2, DEC))
         cr = _as_bytes(right).slice(0, 2, dim=0).slice(r0, n, dim=1).permute((1, 0, 2)).load(DEC)
@@ -257,7 +260,8 @@ if gluon is not None:
                    PACKED: gl.constexpr):
         """Consumer 1: o[:, 256:] = alpha o + p c[:, 256:] each step, then o / l. For packed FP8 rows it
         also copies the selected rows into the stages (the producer decodes them): steps 0 and 1 first,
-        step i + 2 as soon as both consumers are through with step i, whose stage it takes."""
+        step i + 2 as soon as both consumers are through with step i, whose stage it takes. (kv_l, kv_pe,
+        landed, KV8, KV32, KV16, SEL, hi, R, W: the copies', PACKED only.)"""
         CH: gl.constexpr = C // 2
         BN: gl.constexpr = kv_r.shape[1]
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CH, 16])

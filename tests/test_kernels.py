@@ -999,6 +999,7 @@ def test_sparse_mla_prefill_hopper_equals_the_plain_kernel(B, T, H, L, past, K, 
             idx[b, t, :n] = torch.randperm(past + t + 1, generator=g, device=DEV)[:n].int()
     args = (qa, qp, cache, idx, 0.07, past)
     assert kernels_hopper.takes(qa, qp, cache, idx)
+    assert not kernels_hopper.takes(qa, qp, cache, idx[..., :0])    # no selected entry: the plain kernel
     o, lse = kernels_cuda.sparse_mla_prefill(*args, out_dtype=out_dtype, hopper=True)
     o_ref, lse_ref = kernels_cuda.sparse_mla_prefill(*args, out_dtype=out_dtype, hopper=False, halves=False,
                                                      late_sum=False)
