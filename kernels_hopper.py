@@ -238,8 +238,9 @@ if gluon is not None:
         column tiles 0 and 1) times their groups' scales (words 0, 1 of tile 2 in the left half, 2, 3 in
         the right) -> bf16 [n, 256], exactly, as the plain kernel's _latent_cols (unselected rows landed
         as zeros and decode to zeros; exact: power-of-two scales). Both halves are read before either is
-        written (a row's values fill its own lines): one barrier of ours a chunk (Triton adds one before
-        the next chunk's loads, unable to tell the chunks' rows apart in these views)."""
+        written (a row's values fill its own lines), so the warpgroup waits once a chunk for its loads
+        (Triton 3.6 also puts a barrier before the next chunk's loads, unable to tell the chunks' rows
+        apart in these views; 3.9 does not)."""
         cl = _as_bytes(left).slice(0, 2, dim=0).slice(r0, n, dim=1).permute((1, 0, 2)).load(DEC)
         sl = _scale_words(left).slice(r0, n, dim=0).slice(0, 2, dim=1).load(gl.SliceLayout(2, DEC))
         cr = _as_bytes(right).slice(0, 2, dim=0).slice(r0, n, dim=1).permute((1, 0, 2)).load(DEC)
