@@ -80,8 +80,8 @@ def takes(qa, q_pe, cache, idx):
     """Whether sparse_mla_prefill here takes this call (shapes checked by kernels_cuda._check_mla): rows
     of C_MLA latent and R_MLA rope values, bf16 or packed FP8 (uint8, kernels_cuda.latent_width bytes),
     bf16 or float32 queries (taken to bf16 as the plain kernel does), heads in blocks of 64, a selection
-    of at least one entry given, a sequence's rows and its (token, head) rows within 32-bit offsets. (Exact numerics' float32
-    rows: the plain kernel.)"""
+    of at least one entry given, a sequence's rows and its (token, head) rows within 32-bit offsets.
+    (Exact numerics' float32 rows: the plain kernel.)"""
     H, C, R = qa.shape[2], qa.shape[3], q_pe.shape[-1]
     width = latent_width(C, R) if cache.dtype == torch.uint8 else C + R   # bytes (packed) or values a row
     return (available(qa.device) and idx is not None and cache.dtype in (torch.bfloat16, torch.uint8)
