@@ -424,19 +424,28 @@ def kernel_ops():  # the op table with kernels_v4's kernels: the GPU's, or the s
     return torch_ops("cuda") if HAS_CUDA else torch_ops("cpu", v4=kernels_cuda)
 
 
-def test_kernel_path_exact_equals_numpy(pair):
-    # mHC, the CSA indexer's scores and picks and the sparse attention through kernels_v4 (144 tokens: the
-    # CSA layers have 36 windows against index_topk 32, so the picks are a choice); prefill, then chunks
-    # and decode steps, each against the NumPy reference's logits of the whole sequence
+def test_kernel_path_exact_equals_numpy(pair, tmp_path):
+    # mHC, the CSA indexer's scores and picks and the sparse attention through kernels_v4 (72 tokens, with
+    # index_topk 8 in a copy of the checkpoint: the CSA layers have up to 18 windows, so from position 36 on
+    # the picks are a choice; 4 HCA entries; past YaRN's original 64 positions); prefill, then chunks and decode steps that start and
+    # end inside windows, each against the NumPy reference's logits of the whole sequence. (In the
+    # interpreter a token costs about a quarter of a second: the length is what keeps this test short.)
+    import json
+    import shutil
     from model import Transformer
-    hf, m = pair
+    path = tmp_path / "ckpt"
+    shutil.copytree(pair[1].path, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"index_topk": 8}))
+    ref = TransformerV4.from_pretrained(path, numerics="exact")
     ops = kernel_ops()
-    t = Transformer.from_pretrained(m.path, backend="torch", device=str(ops.device), numerics="exact", ops=ops)
-    tokens = np.random.default_rng(4).integers(0, 512, (1, 144))              # batch rows: the kernels' tests
-    want = m.forward(tokens, all_positions=True)
-    steps = [t.forward(tokens[:, :100], all_positions=True)]
-    steps += [t.forward(tokens[:, s:s + n], start_pos=s, all_positions=True) for s, n in ((100, 1), (101, 7), (108, 1),
-                                                                                         (109, 35))]
+    t = Transformer.from_pretrained(path, backend="torch", device=str(ops.device), numerics="exact", ops=ops)
+    assert t.args.index_topk == ref.args.index_topk == 8
+    tokens = np.random.default_rng(4).integers(0, 512, (1, 72))               # batch rows: the kernels' tests
+    want = ref.forward(tokens, all_positions=True)
+    steps = [t.forward(tokens[:, :50], all_positions=True)]
+    steps += [t.forward(tokens[:, s:s + n], start_pos=s, all_positions=True) for s, n in ((50, 1), (51, 7), (58, 1),
+                                                                                         (59, 13))]
     got = np.concatenate([s.cpu().numpy() for s in steps], 1)
     assert rel_err(got, want) <= 1e-5
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
