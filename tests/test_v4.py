@@ -324,6 +324,28 @@ def test_fp4_roundtrip_against_ml_dtypes(rows, blocks, log_scale, seed):
     assert (quant.fp4_roundtrip(x) == want).all()
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.floats(-20, 20), st.integers(0, 2 ** 31))
+def test_torch_fp4_quant_against_ml_dtypes(rows, blocks, log_scale, seed):
+    # quant_torch.fp4_quant (random real-width experts are drawn with it on a GPU): scale 2^(floor(log2 amax)
+    # - 2) per 32, codes by ml_dtypes' e2m1 cast (ties to even, -0 kept), two a byte, the even index low
+    import quant_torch
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, 32 * blocks)) * 2.0 ** log_scale).astype(np.float32)
+    x[0, :8] = np.array([6, 0.25, 0.75, 1.25, 1.75, 2.5, -3.5, -5]) * 2.0 ** round(log_scale)   # ties of e2m1
+    x[-1, -1] = -0.0
+    x[0, 32:] = 0 if blocks > 1 else x[0, 32:]                        # an all-zero block
+    xb = x.reshape(rows, blocks, 32).astype(np.float64)
+    amax = np.abs(xb).max(-1)
+    s = np.where(amax > 0, np.ldexp(1.0, np.frexp(np.where(amax > 0, amax, 1))[1] - 1 - 2), 1.0)
+    codes = np.clip(xb / s[..., None], -6, 6).astype(ml_dtypes.float4_e2m1fn).reshape(rows, -1).view(np.uint8) & 0xF
+    got, got_s = quant_torch.fp4_quant(torch.from_numpy(x))
+    assert np.array_equal(got_s.numpy(), s.astype(np.float32))
+    assert np.array_equal(got.numpy(), codes[:, 0::2] | (codes[:, 1::2] << 4))
+    want = (np.clip(xb / s[..., None], -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float64) * s[..., None])
+    assert np.array_equal(quant.fp4_dequant(got.numpy(), got_s.numpy()), want.reshape(x.shape).astype(np.float32))
+
+
 def test_kv_fp8_fake_quant_on_the_nope_dims():
     from attention_v4 import kv_fp8_ref
     rng = np.random.default_rng(0)
