@@ -4,7 +4,7 @@ checkpoint (a real-dimension one with random FP8 weights: `python checkpoint.py 
 
     python bench/bench_parallel.py --ckpt DIR --out OUT                     one process (1 GPU)
     torchrun --nproc-per-node 2 bench/bench_parallel.py --ckpt DIR --out OUT   two GPUs (NCCL)
-    python bench/bench_parallel.py --render OUT/parallel_1.json OUT/parallel_2.json [--layers 61]
+    python bench/bench_parallel.py --render OUT/parallel_1.json OUT/parallel_2.json [--layers N]
 
 Each run writes OUT/parallel_<ranks>.json (rank 0). The communication share comes from a second pass
 with every collective timed between synchronisations (which slows that pass a little; the tokens/s
@@ -14,9 +14,12 @@ cost; the collectives cannot be timed inside a graph, so those rows have no shar
 
 Everything is measured twice: on the model, and on the same model cut to its first layer, so that one
 layer's cost (the difference) and the rest (embedding, head) are apart. --render prints the table and,
-given a 1-rank and a 2-rank run, an estimate for 8 GPUs and the whole model (--layers), labelled as an
-estimate: each part's per-token time fitted to t(r) = a + b / r over the two runs (see fit8).
-On the CPU (gloo) it runs too, for a smoke test.
+given a 1-rank and a 2-rank run, an estimate for 8 GPUs and the whole model (--layers; default the
+model's: 61 for DeepSeek-V3.2-Exp, 43 for V4-Flash), labelled as an estimate: each part's per-token
+time fitted to t(r) = a + b / r over the two runs (see fit8). DeepSeek-V4-Flash checkpoints run too
+(`python checkpoint.py DIR --v4 --real-layers 4 --no-tokenizer --device cuda`: SWA, SWA, CSA, HCA); its
+first layer, the one the cut model keeps, is a window-only one, cheaper than the average layer, so the
+"rest" of its estimate is a little low. On the CPU (gloo) it runs too, for a smoke test.
 """
 import argparse
 import dataclasses
@@ -37,7 +40,10 @@ def fit8(t1, t2, n=8):
     return (t1 - b) + b / n
 
 
-def render(runs, layers):
+LAYERS = {"deepseek_v32": 61, "deepseek_v4": 43}                    # the whole models' layers (estimate)
+
+
+def render(runs, layers=None):
     lines = ["| ranks | prefill tok/s | decode b1 tok/s | decode b32 tok/s | collectives, share of prefill / decode b1 / b32 "
              "| decode b1, CUDA graph | decode b32, CUDA graph |", "|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -51,6 +57,7 @@ def render(runs, layers):
     two = [r for r in runs if r["meta"]["ranks"] == 2]
     if one and two and "cut" in one[0] and "cut" in two[0]:
         L = one[0]["meta"]["layers"]
+        layers = layers or LAYERS[one[0]["meta"].get("model", "deepseek_v32")]
         lines += ["", f"Estimate (not measured) for 8 ranks and {layers} layers: per-token time of one layer = (model "
                   f"- the model cut to its first layer) / {L - 1}, the rest (embedding, head) = the cut model less one "
                   "such layer; each fitted to t(r) = a + b / r on the 1- and 2-rank runs:"]
@@ -78,7 +85,8 @@ def main():
     ap.add_argument("--batch", type=int, default=32, help="the batched decode's batch (default 32)")
     ap.add_argument("--batch-prefill", type=int, default=256, help="its prompts' length (default 256)")
     ap.add_argument("--render", nargs="+", help="stored parallel_<ranks>.json runs -> the table and the estimate")
-    ap.add_argument("--layers", type=int, default=61, help="--render: layers of the whole model for the estimate")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="--render: layers of the whole model for the estimate (default: 61 for V3.2, 43 for V4)")
     ap.add_argument("--device", default=None, choices=["cpu", "cuda"],
                     help="cpu: run the ranks on the CPU (gloo) even where there are GPUs (default: a GPU per rank if any)")
     a = ap.parse_args()
@@ -157,13 +165,13 @@ def main():
         return res
 
     res = all_measures()
-    L = m.args.num_hidden_layers
+    args, L = m.args, m.args.num_hidden_layers             # (V4's per-layer lists are cut with it: restore args whole)
     m.w["layers"], m.args, m.caches = m.w["layers"][:1], dataclasses.replace(m.args, num_hidden_layers=1), []
     cut = all_measures()                                   # the same model cut to its first layer
-    m.args = dataclasses.replace(m.args, num_hidden_layers=L)
+    m.args = args
     ranks = ctx.world if ctx else 1
     if not ctx or ctx.rank == 0:
-        meta = dict(ranks=ranks, layers=m.args.num_hidden_layers, ckpt=str(a.ckpt), date=time.strftime("%Y-%m-%d"),
+        meta = dict(ranks=ranks, model=m.args.model_type, layers=m.args.num_hidden_layers, ckpt=str(a.ckpt), date=time.strftime("%Y-%m-%d"),
                     gpu=torch.cuda.get_device_name() if device != "cpu" else "cpu", torch=torch.__version__,
                     prefill_tokens=a.prefill, steps=a.steps)
         Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -73,23 +73,27 @@ def test_parallel_model_equals_one_process(ckpt, n, tmp_path):
 
 
 @gpu
-def test_parallel_on_two_gpus_with_nccl_equals_one_gpu(ckpt, tmp_path):
-    # the same comparison on two GPUs (NCCL; the DSA kernels on each): run on a machine with two H200s
+@pytest.mark.parametrize("model", ["v32", "v4"])
+def test_parallel_on_two_gpus_with_nccl_equals_one_gpu(ckpt, ckpt_v4, model, tmp_path):
+    # the same comparison on two GPUs (NCCL; the kernels on each): run on a machine with two H200s
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    want = single(ckpt, device="cuda")
-    got = launch(ckpt, 2, tmp_path / "nccl.npz", device="cuda")
+    path = ckpt if model == "v32" else ckpt_v4
+    want = single(path, device="cuda")
+    got = launch(path, 2, tmp_path / "nccl.npz", device="cuda")
     for k in ("prefill", "chunk", "steps"):
         assert rel_err(got[k], want[k]) <= 1e-5, k
     np.testing.assert_array_equal(got["steps"].argmax(-1), want["steps"].argmax(-1))
 
 
 @gpu
-def test_parallel_decode_replayed_from_a_cuda_graph_on_two_gpus(ckpt, tmp_path):
+@pytest.mark.parametrize("model", ["v32", "v4"])
+def test_parallel_decode_replayed_from_a_cuda_graph_on_two_gpus(ckpt, ckpt_v4, model, tmp_path):
     # official numerics, NCCL collectives captured in the graph: the replayed steps equal the plain ones
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    got = launch(ckpt, 2, tmp_path / "graph.npz", numerics="official", what="graph", device="cuda")
+    path = ckpt if model == "v32" else ckpt_v4
+    got = launch(path, 2, tmp_path / "graph.npz", numerics="official", what="graph", device="cuda")
     assert np.isfinite(got["plain"]).all()
     err = rel_err(got["graph"], got["plain"])                     # the same kernels, attention over the capacity
     assert err <= 1e-3, err
@@ -212,11 +216,13 @@ def test_torchrun_generate_equals_one_process(chat_ckpt):
     assert par.stdout == one.stdout and par.stdout.count(">>> ") == 3
 
 
-def test_parallel_benchmark_script_runs(ckpt, tmp_path):
+@pytest.mark.parametrize("model", ["v32", "v4"])
+def test_parallel_benchmark_script_runs(ckpt, ckpt_v4, model, tmp_path):
     # bench/bench_parallel.py on the CPU: 1 and 2 gloo ranks, tiny shapes; then its table and estimate
     import os
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    bench = [str(ROOT / "bench" / "bench_parallel.py"), "--ckpt", str(ckpt), "--out", str(tmp_path), "--prefill", "16",
+    path = ckpt if model == "v32" else ckpt_v4
+    bench = [str(ROOT / "bench" / "bench_parallel.py"), "--ckpt", str(path), "--out", str(tmp_path), "--prefill", "16",
              "--steps", "2", "--batch", "2", "--batch-prefill", "8", "--device", "cpu"]
     for pre in ([sys.executable], [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                    "--master-port", str(free_port())]):
@@ -225,7 +231,8 @@ def test_parallel_benchmark_script_runs(ckpt, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_parallel.py"), "--render",
                         str(tmp_path / "parallel_1.json"), str(tmp_path / "parallel_2.json")],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert r.returncode == 0 and "| 2 |" in r.stdout and "Estimate (not measured) for 8 ranks and 61 layers" in r.stdout
+    layers = 61 if model == "v32" else 43                          # the whole model's, from the runs' meta
+    assert r.returncode == 0 and "| 2 |" in r.stdout and f"Estimate (not measured) for 8 ranks and {layers} layers" in r.stdout
 
 
 def test_eight_rank_estimate_fit():
