@@ -142,17 +142,20 @@ def probe_experts(w, host_layers, ops, rows=2, stride=61):
     """Known-answer probe at load (spec/v4_flash.md §5.2, check 2; the gfx90a report's W2): a fixed
     input through every routed expert's w1, w2 and w3 as the backend holds and runs them (official
     numerics: act_quant, the FP4 GEMM), against the product with the checkpoint's own bytes decoded by
-    the format's table in float64, on every stride-th output row and the last (every 16-row block of a
-    128-row tile is among them for stride 61; decoding whole experts in float64 would take hours at
-    real width). A layout mismatch stops the load, naming layer, expert and matrix.
+    the format's table in float64. Every row of each layer's first expert and of any matrix of at most
+    2^20 values (a loader's or kernel's layout is the same for every expert: a permutation of rows at
+    any grain shows there), and every stride-th row and the last of the other experts (their order and
+    offsets; all 256 experts whole in float64 took minutes a layer at real width). A layout mismatch
+    stops the load, naming layer, expert and matrix.
     Stacked experts (ops.v4_experts) run through ops.expert_linear, the backend's view of expert e."""
     inputs = {}
     for i, (lw, hw) in enumerate(zip(w["layers"], host_layers)):
         stored = hw["ffn"].get("fp4_experts", hw["ffn"]["experts"])       # the checkpoint's bytes (reencode_experts)
         for e, host in enumerate(stored):
             for name in ("w1", "w2", "w3"):
-                N = host[name].w.shape[0]
-                sel = np.unique(np.r_[np.arange(0, N, stride), N - 1])
+                N, K = host[name].w.shape[0], host[name].w.shape[1] * (2 if host[name].w.dtype == np.uint8 else 1)
+                whole = e == 0 or N * K <= 1 << 20                                          # (FP4: 2 codes a byte)
+                sel = np.arange(N) if whole else np.unique(np.r_[np.arange(0, N, stride), N - 1])
                 ref_w = checkpoint_values(host[name], sel)                                  # [len(sel), K]
                 key = (ref_w.shape[1], host[name].scale is not None)
                 if key not in inputs:                   # a fixed input (no RNG), and as the GEMM sees it
