@@ -382,9 +382,17 @@ def test_real_width_v4_layers_follow_v4_flash(tmp_path, monkeypatch, capsys):
     # checkpoint.py --v4 --real-layers N: V4-Flash's schedule (SWA, SWA, then CSA and HCA alternating, hash
     # routing in the first 3) at its dimensions; here the dimensions are shrunk so that CI draws them (the
     # torch draws on the CPU, as --device cuda draws them on a GPU) and the model loads and runs
-    real = checkpoint.REAL_DIMS_V4
-    assert (real["hidden_size"], real["num_attention_heads"], real["head_dim"], real["n_routed_experts"],
-            real["moe_intermediate_size"], real["index_topk"], real["num_hash_layers"]) == (4096, 64, 512, 256, 2048, 512, 3)
+    real = checkpoint.REAL_DIMS_V4                                   # spec/v4_flash.md §1's table
+    assert real == dict(hidden_size=4096, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024,
+                        o_groups=8, o_lora_rank=1024, sliding_window=128, index_n_heads=64, index_head_dim=128,
+                        index_topk=512, rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings":
+                                                     65536, "beta_fast": 32, "beta_slow": 1},
+                        max_position_embeddings=1048576, n_routed_experts=256, num_experts_per_tok=6,
+                        moe_intermediate_size=2048, num_hash_layers=3)
+    cfg = checkpoint.tiny_config_v4(**real)                           # and what it keeps of the tiny config
+    assert (cfg["vocab_size"], cfg["hc_mult"], cfg["n_shared_experts"], cfg["compress_rope_theta"],
+            cfg["routed_scaling_factor"], cfg["scoring_func"], cfg["expert_dtype"]) == (129280, 4, 1, 160000.0, 1.5,
+                                                                                       "sqrtsoftplus", "fp4")
     assert checkpoint.real_ratios_v4(43)[:6] == [0, 0, 4, 128, 4, 128] and checkpoint.real_ratios_v4(43)[42:] == [4, 0]
     monkeypatch.setattr(checkpoint, "REAL_DIMS_V4", real | dict(
         hidden_size=256, num_attention_heads=4, head_dim=128, q_lora_rank=128, o_groups=2, o_lora_rank=128,
