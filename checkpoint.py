@@ -607,6 +607,8 @@ def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None, device=None, v
     with real_layers, N layers of V4-Flash at real width in its schedule (SWA, SWA, then CSA and HCA
     alternating; hash routing in the first 3). device: draw the FP8 linears (and V4's FP4 experts)
     with torch there (cuda: minutes where NumPy would take hours at real width)."""
+    if real_layers is not None and real_layers < 1:
+        raise ValueError(f"--real-layers {real_layers}: a real-width checkpoint needs at least 1 layer")
     check_replaceable(out_dir)                             # before minutes of drawing, not after
     real = real_layers is not None
     if v4:

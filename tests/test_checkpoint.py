@@ -242,6 +242,12 @@ def test_builder_cli_refuses_in_one_line(tmp_path):
                                              f"write (no {checkpoint.MARKER} in it); refusing to replace it: choose "
                                              "a new or empty folder, or delete it yourself"]
     assert [p.name for p in tmp_path.iterdir()] == ["precious.txt"]
+    for v4 in ([], ["--v4"]):                                         # no layers: refused before any drawing
+        r = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "new", "--real-layers", "0", *v4], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            "error: --real-layers 0: a real-width checkpoint needs at least 1 layer"]
+        assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("when", ["writing", "between the renames"])
