@@ -612,11 +612,12 @@ def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None, device=None, v
     check_replaceable(out_dir)                             # before minutes of drawing, not after
     real = real_layers is not None
     if v4:
-        cfg = tiny_config_v4(**REAL_DIMS_V4, num_hidden_layers=real_layers, compress_ratios=real_ratios_v4(real_layers)) \
-            if real else tiny_config_v4()
+        cfg = tiny_config_v4(**REAL_DIMS_V4, num_hidden_layers=real_layers,
+                             compress_ratios=real_ratios_v4(real_layers)) if real else tiny_config_v4()
         what = f"{real_layers} layers of DeepSeek-V4-Flash at real width" if real else "the tiny V4 checkpoint"
     else:
-        cfg = tiny_config(**REAL_DIMS, num_hidden_layers=real_layers, first_k_dense_replace=1) if real else tiny_config(**TINY)
+        cfg = tiny_config(**REAL_DIMS, num_hidden_layers=real_layers, first_k_dense_replace=1) if real else \
+            tiny_config(**TINY)
         what = f"{real_layers} layers of DeepSeek-V3.2-Exp at real width" if real else "the tiny checkpoint"
     print(f"building {what} in {out_dir} (seed {seed})", file=sys.stderr)
 

@@ -171,7 +171,8 @@ def main():
     m.args = args
     ranks = ctx.world if ctx else 1
     if not ctx or ctx.rank == 0:
-        meta = dict(ranks=ranks, model=m.args.model_type, layers=m.args.num_hidden_layers, ckpt=str(a.ckpt), date=time.strftime("%Y-%m-%d"),
+        meta = dict(ranks=ranks, model=m.args.model_type, layers=m.args.num_hidden_layers, ckpt=str(a.ckpt),
+                    date=time.strftime("%Y-%m-%d"),
                     gpu=torch.cuda.get_device_name() if device != "cpu" else "cpu", torch=torch.__version__,
                     prefill_tokens=a.prefill, steps=a.steps)
         Path(a.out).mkdir(parents=True, exist_ok=True)
