@@ -11,6 +11,7 @@ imports the backend.
     fp8_gemm        block-scaled FP8 GEMM, float64 partials (exact)           quant.fp8_gemm
     dequant         a Weight -> [N, K] float32                                quant.Weight.dequant
     unpack_latent   packed FP8 latent cache rows -> c^KV, k^R                 spec/kernels.md §3.4
+    fp4_quant       [N, K] -> e2m1 codes two a byte, 2^e scales per 32         quant.fp4_quant
 
 Letters: M rows of activations, N output features, K input features, Kb = K / 128 blocks.
 """
@@ -170,7 +171,8 @@ def unpack_latent(rows, C):  # [..., W] latent cache rows -> c^KV [..., C], k^R 
 
 # -----------------------------------------------------------------------------
 # DeepSeek-V4's numbers: FP4 e2m1 experts (two codes per byte, low nibble first, a 2^e scale per 32),
-# the indexer's FP4 round trip, and fp32 GEMMs summed in float64 (quant.fp4_gemm, fp4_roundtrip, matmul_f32)
+# the indexer's FP4 round trip, fp32 GEMMs summed in float64, and the experts' FP4 quantization that
+# random real-width checkpoints are drawn with (quant.fp4_gemm, fp4_roundtrip, matmul_f32, fp4_quant)
 
 _FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
