@@ -1,4 +1,4 @@
-"""Coverage-guided fuzz targets for the readers of untrusted input (issue 16: bad input never destroys,
+"""Coverage-guided fuzz targets for the readers of untrusted input (bad input never destroys,
 crashes or lies), run by atheris (libFuzzer for Python):
 
     .venv/bin/pip install atheris==3.0.0

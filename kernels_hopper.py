@@ -29,9 +29,8 @@ run 32 of the 64 columns each; one warpgroup runs them all here, with the same p
 element); the sum of p as the plain kernel forms it, each 32-column half summed and then the two (the
 other half's entries masked to zeros, which adds nothing exactly); the value MMA from alpha * o, as
 the plain kernel folds it; o / l with the same division. A packed FP8 row decodes to the same bf16
-values either way (code times scale is exact). Measured on an H200 (bench/RESULTS.md): over bf16 rows
-1.37-1.58x the plain kernel and 0.93-1.17x TileLang's pipelined kernel side by side; over packed FP8
-rows 1.60-1.73x the plain kernel (decode at B = 64: 325 TFLOP/s).
+values either way (code times scale is exact). Its speed against the plain kernel and TileLang's:
+bench/RESULTS.md.
 `available(device)` says where it runs: an NVIDIA GPU of compute capability 9.x with a Triton that has
 Gluon's Hopper API; kernels_cuda's sparse MLA calls it there for the shapes it takes (`takes(...)`)
 at their default tiles, and the plain kernel otherwise.

@@ -213,7 +213,7 @@ FP4_FP8_SPREAD = 14  # binades of 1x32 scales one 128x128 FP8 block holds exactl
 
 
 def fp4_to_fp8_blocks(packed, s):  # [N, K/2] uint8, [N, K/32] -> [N, K] e4m3, [N/128, K/128] float32, exactly
-    """The FP4 experts re-encoded once at load for the block-FP8 GEMM (issue 19's second route: twice the
+    """The FP4 experts re-encoded once at load for the block-FP8 GEMM (the second route: twice the
     bytes, the GEMM V3.2 already has). An e2m1 value times its scale 2^e is c 2^e, c in {0.5, 1, ..., 6};
     with a block scale S = 2^(e_max - 6) each becomes c 2^(e - e_max + 6): at most 6 2^6 = 384 <= 448, and
     exact in e4m3 down to its smallest subnormal 2^-9, i.e. while e_max - e <= 14 (FP4_FP8_SPREAD) for

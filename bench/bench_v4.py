@@ -1,4 +1,4 @@
-"""DeepSeek-V4-Flash's long-context cost on one GPU (issue 19): one attention sublayer of each kind at the
+"""DeepSeek-V4-Flash's long-context cost on one GPU: one attention sublayer of each kind at the
 real dimensions (64 heads of 512, q rank 1024, 8 output groups; the CSA indexer's 64 heads of 128 and
 top-512; random weights in the real formats, official numerics), through the torch path and kernels_v4,
 at contexts L = 4K .. 1M, beside one DeepSeek-V3.2-Exp DSA attention sublayer from bench_fig3.py's stored
