@@ -1,38 +1,43 @@
 """`generate.py --verify`: does this backend on this device compute the model?
 
-Two comparisons, each printed with what it compares against what:
+Three comparisons, each printed with what it compares against what:
 
 1. Across backends, in exact numerics: a fixed token sequence through the chosen backend and through
    the NumPy reference (only the first N layers with --verify-layers N, for checkpoints too large
    for the CPU); per layer the relative error of the hidden states and the overlap of the indexer's
    top-k selections; the hash of a 16-token greedy continuation from each. Not run for
    backend="numpy": it would compare the reference with itself.
-2. Against recorded goldens, in the chosen numerics: greedy tokens and a hash of the logits rounded
-   to bf16, compared only with the golden of the same checkpoint, backend, numerics and layers,
-   recorded on the same platform (goldens.json; --record-golden writes the current one). Float32
-   results are bit-level facts of a platform: the CPU model and core count (NumPy's SIMD loops and
-   BLAS kernels follow the CPU; reductions may follow the threads), the GPU, and the versions of the
-   libraries that compute. Another platform gets "no golden recorded for this platform", never a FAIL.
+2. Fixed tokens, on any platform: the checkpoint in exact numerics, teacher-forced with the greedy
+   continuation the NumPy reference recorded; at each of its 16 positions the recorded greedy token
+   must still be the top one (or within the tolerance of it: a near tie may flip) and the recorded
+   top-4 logits must keep their values within FIXED_TOLERANCE. Exact numerics because they hold across
+   platforms: float32 throughout, while the official numerics' bf16 / FP8 rounding points and the
+   indexer's top-k turn a last-bit difference into another selection (a 1e-5 change of one norm's
+   weights moves tiny-v32's official logits by 30%, its exact ones by 2.5e-5).
+3. Bits, where the bits are the same: greedy tokens and a hash of the logits rounded to bf16, in the
+   chosen numerics, compared with the golden of the same checkpoint, backend, numerics and layers
+   recorded under the same bits key (platform_id). The key names what decides a float32 result's bits:
+   NumPy's version and the SIMD target its loops dispatch to, the BLAS library, its version and the
+   kernels it picked for this CPU (OpenBLAS's core type), ml_dtypes' version; for torch its version,
+   and on the CPU its SIMD level, the CPU vendor (MKL's dispatch) and its threads, on a GPU the GPU and
+   Triton. Not the CPU's name, family or core count: OpenBLAS's threads split a product's rows, not
+   its sums (1, 2 and 4 threads give the same bits), and two CPUs whose OpenBLAS picks the same kernels
+   give the same bits (OPENBLAS_CORETYPE=Haswell and =SandyBridge each move them on an EPYC that
+   picks SkylakeX). A golden under another key is listed, not compared.
+
+goldens.json holds, per checkpoint fingerprint, its name, the fixed-token records ("fixed", by
+numerics and layers) and the bit-level goldens ("bits", by bits key, then backend/numerics/layers).
+A file of the earlier form ({fingerprint: {platform line: {key: golden}}}) still reads: its lines
+become bits keys that no platform of today's form matches. --record-golden FILE writes this run's
+golden (and, from the NumPy backend, its fixed-token record) into FILE, in the same form, created or
+updated whole or not at all; the tracked goldens.json is only read.
 
 The verdict: PASS when at least one comparison ran and every one held (exit 0), FAIL when one did
-not (exit 1), NOTHING COMPARED when none could run (exit 3: the NumPy backend on a platform with no
-golden), so a PASS always means something was checked.
-
-A run of the DSA kernel path on the H200 (2026-12-01):
-
-    $ .venv/bin/python generate.py --ckpt tiny-v32 --verify --backend torch --device cuda     # H200, 2026-12-01
-    verify tiny-v32 (dbfbc62aac468e20): backend torch, device cuda, official numerics, all layers
-    1. torch on cuda against the NumPy reference, exact numerics, 4 layers, 48 tokens
-    layer | rel. error of hidden states | indexer top-k overlap
-        0 |                    6.73e-07 |                1.0000
-        1 |                    1.12e-06 |                1.0000
-        2 |                    1.45e-06 |                1.0000
-        3 |                    2.17e-06 |                1.0000
-    logits rel. error 2.28e-06 (tolerance 1e-04); greedy continuation 15e5bced9a407fae vs reference 15e5bced9a407fae
-    2. against the golden torch/official/all of checkpoint dbfbc62aac468e20 recorded on this platform: NVIDIA H200, numpy 2.5.2, ml_dtypes 0.7.0, torch 2.11.0+cu130, triton 3.6.0
-       greedy tokens match, logits hash matches (00976c24fada28c4 vs 00976c24fada28c4)
-    VERIFY PASS (2 comparisons)
+not (exit 1), NOTHING COMPARED when none could run (exit 3: the NumPy backend on a checkpoint with
+no record), so a PASS always means something was checked.
 """
+import ctypes
+import glob
 import hashlib
 import json
 import os
@@ -47,7 +52,13 @@ from model import Transformer
 
 GOLDENS = Path(__file__).with_name("goldens.json")
 TOLERANCE = {"hidden": 1e-4, "overlap": 0.99}        # exact numerics, backend vs NumPy reference
-N_TOKENS, N_CONTINUE = 48, 16
+# Fixed tokens: |logit - recorded| / (the largest recorded top logit), at the recorded top-4 of each
+# position. Float32 rounding measured between platforms on the bundled checkpoints (NumPy on OpenBLAS's
+# SkylakeX, Haswell and SandyBridge kernels, NumPy's AVX512 and AVX2 loops, torch on the CPU): at most
+# 1.2e-6 on these values, 2.9e-6 over whole logit rows (the H200 against NumPy: 2.3e-6). 1e-5 leaves
+# 3x to 8x of that; a wrong computation moves them more (one norm's weights off by 1e-5: 2.5e-5).
+FIXED_TOLERANCE = 1e-5
+N_TOKENS, N_CONTINUE, TOP_K = 48, 16, 4
 PASS, FAIL, NOTHING = 0, 1, 3                         # verdicts, as exit codes
 
 
@@ -63,40 +74,63 @@ def fingerprint(ckpt):  # the checkpoint's identity: config, index and each shar
     return h.hexdigest()[:16]
 
 
-def cpu_name():  # "AMD EPYC (family 25, model 17), AVX512_ICL": the model and NumPy's SIMD loops on it
-    info = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            k, _, v = line.partition(":")
-            info.setdefault(k.strip(), v.strip())
-    except OSError:
-        pass
-    name = info.get("model name", platform.processor() or platform.machine())
-    if "cpu family" in info:
-        name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
+def simd_target():  # the SIMD target NumPy's loops dispatch to here: "AVX512_ICL"
     try:
         from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
-        best = [t for t in __cpu_dispatch__ if __cpu_features__.get(t)]
-        name += f", {best[-1] if best else 'baseline'}"
     except ImportError:                                                  # NumPy's internals moved
+        return "SIMD unknown"
+    best = [t for t in __cpu_dispatch__ if __cpu_features__.get(t)]
+    return best[-1] if best else "baseline"
+
+
+def openblas_core(lib_dir):  # the kernels OpenBLAS's DYNAMIC_ARCH picked for this CPU, or None
+    names = glob.glob(os.path.join(os.path.dirname(np.__file__) + ".libs", "*openblas*"))
+    names += glob.glob(os.path.join(lib_dir or "", "*openblas*.so*"))
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)                                      # loaded already: the same handle
+        except OSError:
+            continue
+        for symbol in ("scipy_openblas_get_corename64_", "openblas_get_corename64_", "openblas_get_corename"):
+            if hasattr(lib, symbol):
+                getattr(lib, symbol).restype = ctypes.c_char_p
+                return getattr(lib, symbol)().decode()
+    return None
+
+
+def blas():  # "OpenBLAS 0.3.31.188.0 SkylakeX": the library that sums NumPy's products, and its kernels
+    try:
+        info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    except Exception:                                                    # an older NumPy, another layout
+        return "BLAS unknown"
+    name = info.get("name", "BLAS")
+    core = openblas_core(info.get("lib directory")) if "openblas" in name.lower() else None
+    core = core or os.environ.get("OPENBLAS_CORETYPE") or "cores unknown"
+    return f"{name} {info.get('version', '?')} {core}"
+
+
+def cpu_vendor():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.partition(":")[2].strip()
+    except OSError:
         pass
-    return name
+    return platform.processor() or platform.machine()
 
 
-def platform_id(backend, device):  # what decides a float32 result's bits, as one readable line
+def platform_id(backend, device):  # the bits key: what decides a float32 result's bits, as one line
     import ml_dtypes
-    parts = [f"{cpu_name()}, {os.cpu_count()} cores", f"numpy {np.__version__}", f"ml_dtypes {ml_dtypes.__version__}"]
-    if os.environ.get("OPENBLAS_CORETYPE"):
-        parts.append(f"OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}")
-    if backend == "torch":
+    parts = [f"numpy {np.__version__} {simd_target()}", blas(), f"ml_dtypes {ml_dtypes.__version__}"]
+    if backend == "torch":                                               # RoPE's angles stay NumPy's
         import torch
-        parts.append(f"torch {torch.__version__}")
         if device in (None, "cpu"):
+            parts.append(f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()} on {cpu_vendor()}")
             parts.append(f"torch threads {torch.get_num_threads()}")        # a product's sum order follows them
         else:
             import triton
-            parts[0] = torch.cuda.get_device_name(torch.device(device))   # the GPU computes
-            parts.append(f"triton {triton.__version__}")
+            parts += [torch.cuda.get_device_name(torch.device(device)), f"torch {torch.__version__}",
+                      f"triton {triton.__version__}"]
     return ", ".join(parts)
 
 
@@ -104,18 +138,21 @@ def to_numpy(x):
     return x.float().cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
 
 
-def run(m, tokens):
-    """-> (per-layer hidden [L] of [T, d], per-layer selections, prefill logits [T, V], greedy continuation)."""
+def run(m, tokens, forced=None):
+    """-> (per-layer hidden [L] of [T, d], per-layer selections, prefill logits [T, V], greedy continuation,
+    the logits [N_CONTINUE, V] each continuation token is picked from). forced: tokens to feed instead of
+    the greedy ones (teacher forcing), so that a near tie that flips does not move the later positions."""
     rec = {}
     logits = to_numpy(m.forward(tokens[None], all_positions=True, record=rec))[0]
-    cont, nxt, pos = [], int(logits[-1].argmax()), len(tokens)
-    for _ in range(N_CONTINUE):
-        cont.append(nxt)
-        nxt = int(to_numpy(m.forward([[nxt]], start_pos=pos))[0].argmax())
+    rows, pos = [logits[-1]], len(tokens)
+    for i in range(N_CONTINUE - 1):
+        nxt = forced[i] if forced else int(rows[-1].argmax())
+        rows.append(to_numpy(m.forward([[nxt]], start_pos=pos))[0])
         pos += 1
+    rows = np.stack(rows)
     hidden = [to_numpy(h)[0] for h in rec.get("hidden", [])]
     selected = [None if s is None else to_numpy(s)[0].astype(bool) for s in rec.get("selected", [])]   # None: no indexer
-    return hidden, selected, logits, cont
+    return hidden, selected, logits, [int(t) for t in rows.argmax(-1)], rows
 
 
 def digest(values):
@@ -134,8 +171,8 @@ def layer_count(cfg, ckpt, layers):  # --verify-layers N -> N, or None for the w
 def compare_backends(ckpt, backend, device, layers, tokens, out):  # comparison 1 -> True when it holds
     ref = Transformer.from_pretrained(ckpt, numerics="exact", n_layers=layers)
     sub = Transformer.from_pretrained(ckpt, backend=backend, device=device, numerics="exact", n_layers=layers)
-    hr, sr, lr, cr = run(ref, tokens)
-    hs, ss, ls, cs = run(sub, tokens)
+    hr, sr, lr, cr, _ = run(ref, tokens)
+    hs, ss, ls, cs, _ = run(sub, tokens)
     print(f"1. {backend} on {device or 'cpu'} against the NumPy reference, exact numerics, {len(hr)} layers, "
           f"{len(tokens)} tokens", file=out)
     print("layer | rel. error of hidden states | indexer top-k overlap", file=out)
@@ -156,47 +193,127 @@ def compare_backends(ckpt, backend, device, layers, tokens, out):  # comparison 
     return ok
 
 
-def verify(ckpt, backend="torch", device=None, numerics="official", layers=None, record=False, out=sys.stdout,
+def load_goldens(path):  # -> {fingerprint: {"name": ..., "fixed": {...}, "bits": {bits key: {combination: golden}}}}
+    if path is None or not Path(path).is_file():
+        return {}
+    data = json.loads(Path(path).read_text())
+    if data.get("format") == 2:
+        return data["checkpoints"]
+    return {fp: {"bits": lines} for fp, lines in data.items()}        # the earlier form: platform lines as keys
+
+
+def save_goldens(path, goldens):  # the whole file or nothing: a reader never sees half of it
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"format": 2, "checkpoints": goldens}, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def fixed_record(greedy, rows):  # what the fixed-token check keeps of a free greedy run
+    top = np.argsort(-rows, -1, kind="stable")[:, :TOP_K]
+    return {"greedy": greedy, "top_ids": top.tolist(), "top_logits": np.take_along_axis(rows, top, -1).tolist(),
+            "recorded_on": platform_id("numpy", None)}
+
+
+def check_fixed(rec, rows, out):  # comparison 2 on teacher-forced rows -> True when it holds
+    ids, want = np.array(rec["top_ids"]), np.array(rec["top_logits"], np.float64)
+    scale = np.abs(want[:, 0]).max()
+    err = float(np.abs(np.take_along_axis(rows, ids, -1) - want).max() / scale)
+    greedy = np.array(rec["greedy"])
+    behind = rows.max(-1) - rows[np.arange(len(greedy)), greedy]       # 0 where it is still the top one
+    held, top = int((behind <= FIXED_TOLERANCE * scale).sum()), int((behind == 0).sum())
+    ok = held == len(greedy) and err <= FIXED_TOLERANCE
+    print(f"   {held}/{len(greedy)} recorded greedy tokens hold ({top} the top one, the rest within the tolerance "
+          f"of it); top-{TOP_K} logits max rel. error {err:.2e} (tolerance {FIXED_TOLERANCE:.0e})"
+          f"{'' if ok else '  <-- beyond tolerance'}", file=out)
+    return ok
+
+
+def check_bits(golden, result, out):  # comparison 3 -> True when it holds
+    greedy, same = golden["greedy"] == result["greedy"], golden["logits_bf16"] == result["logits_bf16"]
+    print(f"   greedy tokens {'match' if greedy else 'DIFFER'}, logits hash "
+          f"{'matches' if same else 'DIFFERS'} ({result['logits_bf16']} vs {golden['logits_bf16']})", file=out)
+    return greedy and same
+
+
+def fixed_tokens(ckpt, backend, device, layers, tokens, rec, exact_run, out):  # comparison 2 -> True, False or None
+    where = f"exact/{layers or 'all'}"
+    if rec is None:
+        print(f"2. fixed tokens, exact numerics: no {where} record for this checkpoint (not compared)", file=out)
+        return None
+    print(f"2. fixed tokens, exact numerics, teacher-forced: {backend} on {device or 'cpu'} against the {where} "
+          f"record of the NumPy reference on {rec['recorded_on']}", file=out)
+    rows = exact_run[4]
+    if exact_run[3] != rec["greedy"]:                                   # a near tie flipped: feed the recorded ones
+        m = Transformer.from_pretrained(ckpt, backend=backend, device=device, numerics="exact", n_layers=layers)
+        rows = run(m, tokens, forced=rec["greedy"])[4]
+    return check_fixed(rec, rows, out)
+
+
+def bits(combo, here, result, recorded, out):  # comparison 3 -> True, False or None
+    golden = recorded.get(here, {}).get(combo)
+    if golden is not None:
+        print(f"3. bits of {combo} against its golden recorded under this bits key", file=out)
+        return check_bits(golden, result, out)
+    elsewhere = [key for key, combos in recorded.items() if combo in combos]
+    print(f"3. bits of {combo}: no golden under this bits key (not compared); recorded under "
+          f"{len(elsewhere)} other{'' if len(elsewhere) == 1 else 's'}{':' if elsewhere else ''}", file=out)
+    for key in elsewhere:
+        print(f"   {key}", file=out)
+    return None
+
+
+def write_record(path, fp, name, here, combo, result, fixed, out):  # --record-golden FILE
+    goldens = load_goldens(path)
+    entry = goldens.setdefault(fp, {})
+    entry["name"] = name
+    entry.setdefault("bits", {}).setdefault(here, {})[combo] = result
+    if fixed:
+        entry.setdefault("fixed", {}).update(fixed)
+    save_goldens(path, goldens)
+    print(f"   recorded in {path}: bits of {combo} under this key (greedy {digest(result['greedy'])}, logits hash "
+          f"{result['logits_bf16']}){', the fixed-token record ' + next(iter(fixed)) if fixed else ''}", file=out)
+
+
+def verify(ckpt, backend="torch", device=None, numerics="official", layers=None, record=None, out=sys.stdout,
            goldens_path=GOLDENS):
-    """Print the comparisons and a verdict; -> PASS (0), FAIL (1) or NOTHING compared (3)."""
+    """Print the comparisons and a verdict; -> PASS (0), FAIL (1) or NOTHING compared (3).
+    record: the path of a goldens file to write this run's golden into, or None; goldens_path is only read."""
     from checkpoint import Checkpoint
+    if isinstance(record, bool):
+        raise TypeError("verify(record=...) takes the path of the file to write, or None")
     cfg = Checkpoint(ckpt).config
     layers = layer_count(cfg, ckpt, layers)
     tokens = np.random.default_rng(20261130).integers(3, min(cfg.get("vocab_size", 4), 100000), N_TOKENS)
+    fp, here = fingerprint(ckpt), platform_id(backend, device)
+    recorded = load_goldens(goldens_path).get(fp, {})
+    print(f"verify {ckpt} ({fp}{', recorded as ' + recorded['name'] if 'name' in recorded else ''}): backend "
+          f"{backend}, device {device or 'cpu'}, {numerics} numerics, "
+          f"{'all layers' if layers is None else f'first {layers} layers'}; goldens from {goldens_path}", file=out)
+    print(f"bits key here: {here}", file=out)
     results = []                                                         # one bool per comparison that ran
-    print(f"verify {ckpt} ({fingerprint(ckpt)}): backend {backend}, device {device or 'cpu'}, "
-          f"{numerics} numerics, {'all layers' if layers is None else f'first {layers} layers'}", file=out)
     if backend == "numpy":
         print("1. against the NumPy reference: not run (the numpy backend IS the reference)", file=out)
     else:
         results.append(compare_backends(ckpt, backend, device, layers, tokens, out))
 
-    # 2. the golden of this checkpoint, backend, numerics and layers, on this platform
-    m = Transformer.from_pretrained(ckpt, backend=backend, device=device, numerics=numerics, n_layers=layers)
-    _, _, logits, cont = run(m, tokens)
-    result = {"greedy": cont, "logits_bf16": digest(quant.bf16_round(logits).astype(np.float32))}
-    fp, where = fingerprint(ckpt), platform_id(backend, device)
-    key = f"{backend}/{numerics}/{layers or 'all'}"
-    goldens = json.loads(goldens_path.read_text()) if goldens_path.is_file() else {}
-    print(f"2. against the golden {key} of checkpoint {fp} recorded on this platform: {where}", file=out)
+    def model_run(n):
+        return run(Transformer.from_pretrained(ckpt, backend=backend, device=device, numerics=n, n_layers=layers), tokens)
+    chosen = model_run(numerics)
+    exact = chosen if numerics == "exact" else model_run("exact")
+    fixed_key = f"exact/{layers or 'all'}"
+    results.append(fixed_tokens(ckpt, backend, device, layers, tokens, recorded.get("fixed", {}).get(fixed_key),
+                                exact, out))
+    combo = f"{backend}/{numerics}/{layers or 'all'}"
+    result = {"greedy": chosen[3], "logits_bf16": digest(quant.bf16_round(chosen[2]).astype(np.float32))}
+    results.append(bits(combo, here, result, recorded.get("bits", {}), out))
     if record:
-        goldens.setdefault(fp, {}).setdefault(where, {})[key] = result
-        tmp = goldens_path.with_suffix(".tmp")                           # whole file or nothing
-        tmp.write_text(json.dumps(goldens, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, goldens_path)
-        print(f"   recorded in {goldens_path} (greedy {digest(cont)}, logits hash {result['logits_bf16']})", file=out)
-    elif key in goldens.get(fp, {}).get(where, {}):
-        g = goldens[fp][where][key]
-        greedy, logits_same = g["greedy"] == cont, g["logits_bf16"] == result["logits_bf16"]
-        results.append(greedy and logits_same)
-        print(f"   greedy tokens {'match' if greedy else 'DIFFER'}, logits hash "
-              f"{'matches' if logits_same else 'DIFFERS'} ({result['logits_bf16']} vs {g['logits_bf16']})", file=out)
-    else:
-        print(f"   no golden recorded for this platform (--record-golden records one; {sum(len(v) for v in goldens.get(fp, {}).values())} "
-              f"recorded for this checkpoint elsewhere)", file=out)
+        fixed = {fixed_key: fixed_record(exact[3], exact[4])} if backend == "numpy" else {}   # the reference's
+        write_record(record, fp, Path(ckpt).name, here, combo, result, fixed, out)
+    results = [r for r in results if r is not None]
     if not results:
-        print("VERIFY NOTHING COMPARED: no reference to compare with here (exit 3); with --backend torch the "
-              "NumPy reference is compared", file=out)
+        print("VERIFY NOTHING COMPARED: nothing recorded for this checkpoint applies here (exit 3); "
+              "--record-golden FILE records this run", file=out)
         return NOTHING
     print(f"VERIFY {'PASS' if all(results) else 'FAIL'} ({len(results)} comparison{'s' if len(results) > 1 else ''})",
           file=out)
