@@ -1,5 +1,8 @@
 """generate.py end to end on the bundled tiny checkpoint (real tokenizer, chat format), the loop's
 properties on the fixture model, and clear errors on bad input."""
+import codecs
+import dataclasses
+import json
 import subprocess
 import sys
 import time
@@ -290,6 +293,9 @@ def test_ctrl_c_exits_130_without_traceback(tiny, where):
         assert err[-1], err
     time.sleep(1)
     p.send_signal(signal.SIGINT)
+    if where == "at the chat prompt":                                   # the first one asks, a second in a row quits
+        time.sleep(1)
+        p.send_signal(signal.SIGINT)
     _, rest = p.communicate(timeout=60)
     assert p.returncode == 130 and "Traceback" not in rest and rest.strip().splitlines()[-1] == "interrupted", rest
 
@@ -587,3 +593,391 @@ def test_v4_interactive_tool_round_trip(tiny_v4):
     text = out.getvalue()
     assert '[tool call] {"name": "get_time", "arguments": {"city": "東京"}}' in text, text
     assert "It is 10:00." in text
+
+
+# -----------------------------------------------------------------------------
+# Sampling controls: top-k, top-p, repetition penalty, stop strings, a generator per row
+
+def filtered_reference(logits, temperature, top_k, top_p):  # float64, by the definitions -> the distribution
+    z = np.asarray(logits, np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+    kept = order[:top_k]
+    q = {i: p[i] / sum(p[j] for j in kept) for i in kept}
+    total, nucleus = 0.0, []
+    for i in kept:                                  # most likely first, until the mass reaches top_p
+        nucleus.append(i)
+        total += q[i]
+        if total >= top_p:
+            break
+    out = np.zeros(len(p))
+    out[nucleus] = [q[i] for i in nucleus]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(4, 1.0), (None, 0.75), (4, 0.75), (1, 0.5)])
+def test_top_k_top_p_draw_from_the_filtered_distribution(top_k, top_p):
+    logits = np.array([1.0, 2.3, 0.2, 1.9, -0.5, 1.5, 0.9], np.float32)
+    want = filtered_reference(logits, 0.8, top_k or len(logits), top_p)
+    s = generate.Sampling(temperature=0.8, top_k=top_k, top_p=top_p)
+    rng = np.random.default_rng(1)
+    draws = np.array([generate.draw(logits, s, rng, []) for _ in range(6000)])
+    freq = np.bincount(draws, minlength=len(logits)) / len(draws)
+    assert np.allclose(freq, want, atol=0.025), (freq, want)
+    assert (freq[want == 0] == 0).all()                                 # a token cut is never drawn
+    assert 0 < (want > 0).sum() < len(logits) or top_k is None and top_p == 1
+
+
+def test_repetition_penalty_by_hand():
+    logits = np.array([2.0, -1.0, 0.5, 3.0], np.float32)
+    out = generate.penalize(logits, np.array([0, 1, 1, 3]), 2.0)        # seen: 0, 1 (twice), 3
+    assert out.tolist() == [1.0, -2.0, 0.5, 1.5] and logits[0] == 2.0    # the input left alone
+    s = generate.Sampling(repetition_penalty=2.0)                        # greedy: 3 seen -> 1.5 < 2 would be 0's...
+    assert generate.draw(logits, s, None, [3]) == 0                      # ... so 0 (2.0) wins over 3 (1.5)
+    assert generate.draw(logits, generate.Sampling(), None, [3]) == 3
+
+
+def scripted(tok, text):  # a ScriptedModel that writes `text` (then token 1 forever) -> (model, its token ids)
+    ids = tok.encode(text, add_special_tokens=False).ids
+    return ScriptedModel(ids), ids
+
+
+@pytest.mark.parametrize("stop, text", [
+    (["Stop"], "Hello world. "),
+    (["here", "world", "zzz"], "Hello "),                       # several: the earliest in the text wins
+    (["lo wor"], "Hel"),                                          # across a token boundary
+    (["nowhere"], "Hello world. Stop here. More text"),           # none: the whole text (held tails released)
+])
+def test_stop_strings_end_and_are_cut(tiny, stop, text):
+    tok = generate.load_tokenizer(tiny)
+    whole = "Hello world. Stop here. More text"
+    model, ids = scripted(tok, whole)
+    assert tok.decode(ids[:1]) == "Hello" and tok.decode(ids[1:2]) == " world"   # "lo wor" spans two tokens
+    pieces = []
+    out, stats = generate.generate(model, [[5, 6]], 40, eos_id=1, tok=tok, stop=stop, on_text=pieces.append)
+    assert stats["text"] == [text] and "".join(pieces) == text
+    assert stats["finish_reason"] == ["stop"]
+    if text != whole:                                             # ended at the token completing the stop string
+        n = len(out[0])
+        assert tok.decode(ids[:n - 1]).find(min(stop, key=whole.find)) < 0 <= tok.decode(ids[:n]).find(
+            min((s for s in stop if s in whole), key=whole.find))
+        assert len(model.calls) == n
+    with pytest.raises(ValueError, match="give the tokenizer"):
+        generate.generate(ScriptedModel([5]), [[5, 6]], 4, eos_id=1, stop=["x"])
+
+
+class LastTokenModel(ScriptedModel):
+    """Logits from a fixed random table by each row's last token: a row's distribution depends on its
+    own tokens only, so the batch cannot change it; only the sampler could."""
+
+    def __init__(self, vocab=64):
+        super().__init__([], vocab)
+        self.table = np.random.default_rng(7).normal(size=(vocab, vocab)).astype(np.float32) * 2
+
+    def forward(self, tokens, start_pos=0):
+        return self.table[np.asarray(tokens)[:, -1]]
+
+
+def test_each_row_samples_on_its_own():
+    a = generate.Sampling(temperature=1.0, top_k=20, seed=5)
+    b = generate.Sampling(temperature=0.7, top_p=0.9, repetition_penalty=1.3, seed=9)
+    short, long = [1, 2, 3], [4, 5, 6, 7, 8, 9]                    # the long one is teacher-forced in the batch
+    m = LastTokenModel()
+    alone_a, _ = generate.generate(m, [short], 30, eos_id=-1, sampling=a)
+    alone_b, _ = generate.generate(m, [long], 30, eos_id=-1, sampling=b)
+    batch, _ = generate.generate(m, [short, long], 30, eos_id=-1, sampling=[a, b])
+    swapped, _ = generate.generate(m, [long, short, short], 30, eos_id=-1, sampling=[b, a, b])
+    assert batch == [alone_a[0], alone_b[0]] and swapped[:2] == [alone_b[0], alone_a[0]]
+    assert len(set(map(tuple, batch))) == 2 and len(alone_a[0]) == 30
+    other, _ = generate.generate(m, [short], 30, eos_id=-1, sampling=dataclasses.replace(a, seed=6))
+    assert other != alone_a                                         # the seed matters
+    with pytest.raises(ValueError, match="top_p 0: must be in"):
+        generate.generate(m, [short], 3, eos_id=-1, top_p=0)
+
+
+# -----------------------------------------------------------------------------
+# Flags checked before the weights load
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
+    (["--top-k", "0"], "--top-k 0: must be an integer >= 1"),
+    (["--repetition-penalty", "0"], "--repetition-penalty 0.0: must be a finite number > 0 (1 is off)"),
+    (["--stop", ""], "--stop '': a stop string must be a non-empty string"),
+    (["--max-new-tokens", "100000000"], "prompt (5 tokens) + max_new_tokens (100000000) = 100000005 exceeds max_seq_len 1024"),
+    (["--max-new-tokens", "900", "--max-seq-len", "800"], "prompt (5 tokens) + max_new_tokens (900) = 905 exceeds max_seq_len 800"),
+    (["--raw", "--tools", "tools.json"], "--raw feeds the text as is, so --tools (which needs the chat format)"),
+    (["--raw", "--thinking"], "--raw feeds the text as is, so --thinking"),
+    (["--record-golden", "g.json"], "--record-golden needs --verify"),
+    (["--tools", "none.json"], "--tools none.json: no such file"),
+])
+def test_bad_flags_are_refused_before_loading(tiny, capsys, monkeypatch, flags, message):
+    def loading(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(generate.Transformer, "from_pretrained", loading)
+    code, err = main_fails(capsys, "--ckpt", tiny, "--prompt", "x", *flags)
+    assert code == 2 and err == [err[0]] and err[0].startswith("error: " + message), err
+
+
+@pytest.mark.parametrize("source, message", [
+    (["--input-file", "missing.txt"], "--input-file missing.txt: no such file"),
+    (["--interactive", "--max-new-tokens", "1024"], "--max-new-tokens 1024 leaves no room for a prompt in max_seq_len 1024"),
+    (["--interactive", "--raw"], "--raw feeds the text as is, so --interactive"),
+])
+def test_bad_sources_are_refused_before_loading(tiny, capsys, monkeypatch, source, message):
+    monkeypatch.setattr(generate.Transformer, "from_pretrained", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, err = main_fails(capsys, "--ckpt", tiny, *source)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: " + message), err
+
+
+def test_missing_torch_says_what_to_run(monkeypatch):
+    import builtins
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name == "torch" else real(name, *a, **k))
+    with pytest.raises(ValueError) as e:
+        generate.resolve_device("torch", None)
+    assert "\n" not in str(e.value) and "./setup.sh --torch" in str(e.value) and "./setup.sh --tests" in str(e.value)
+
+
+def test_record_golden_names_the_file(tiny, tmp_path, monkeypatch):
+    import verify
+    seen = []
+    monkeypatch.setattr(verify, "verify", lambda *a, **k: seen.append(k.get("record", "absent")) or 0)
+    for flags in ([], ["--record-golden", str(tmp_path / "g.json")]):
+        with pytest.raises(SystemExit) as e:
+            generate.main(["--ckpt", str(tiny), "--verify", "--backend", "numpy", *flags])
+        assert e.value.code == 0
+    assert seen == [None, tmp_path / "g.json"]
+
+
+# -----------------------------------------------------------------------------
+# The chat: commands, Ctrl-C
+
+def chat_with(model, tok, lines, **kw):  # interactive() fed `lines` -> its output
+    # (an exception among the lines is raised by the read, as Ctrl-C would; a callable is called for its line)
+    import io
+    from types import SimpleNamespace
+    a = SimpleNamespace(chat_format=kw.pop("fmt", "v32exp"), thinking=False, tool_list=None, max_new_tokens=kw.pop("n", 5),
+                        temperature=0)
+    lines, out = iter(lines), io.StringIO()
+
+    def read(prompt):
+        line = next(lines, EOFError())
+        if isinstance(line, BaseException):
+            raise line
+        return line() if callable(line) else line
+    generate.interactive(model, tok, a, np.random.default_rng(0), 1, read=read, out=out, **kw)
+    return out.getvalue()
+
+
+
+def test_chat_commands_and_empty_lines(tiny):
+    tok = generate.load_tokenizer(tiny)
+    model = ScriptedModel([])                                        # token 1 (EOS here) at once: an empty reply
+    text = chat_with(model, tok, ["", "   ", "/help", "/frobnicate", "hi", "/clear", "hi", "/exit", "never read"])
+    assert "/clear  forget the conversation" in text and "/exit   quit" in text
+    assert "unknown command /frobnicate (/help lists the commands)" in text and "(conversation cleared)" in text
+    starts = [s for s, n in model.calls]
+    assert starts == [0, 0], model.calls                             # two replies, each from 0: /clear forgot the first
+
+
+def test_chat_ctrl_c_at_the_prompt_asks_then_quits(tiny):
+    tok = generate.load_tokenizer(tiny)
+    model = ScriptedModel([])
+    text = chat_with(model, tok, [KeyboardInterrupt(), "hi", KeyboardInterrupt(), "/exit"])
+    assert text.count("Ctrl-C again") == 2 and len(model.calls) == 1   # not in a row: asked twice, went on
+    with pytest.raises(KeyboardInterrupt):
+        chat_with(model, tok, ["hi", KeyboardInterrupt(), KeyboardInterrupt(), "never read"])
+    with pytest.raises(KeyboardInterrupt):                             # under torchrun: the first one ends the chat
+        chat_with(model, tok, [KeyboardInterrupt(), "/exit"], stoppable=False)
+
+
+class Interrupted:
+    """Wraps a model's forward: once armed, its call number k runs, then Ctrl-C arrives (the caches have
+    moved on, the chat's bookkeeping has not)."""
+
+    def __init__(self, model):
+        self.at, self.n, self.real = None, 0, model.forward
+        model.forward = self
+
+    def arm(self, k):
+        self.at = self.n + k
+
+    def __call__(self, tokens, start_pos=0, **kw):
+        self.n += 1
+        out = self.real(tokens, start_pos, **kw)
+        if self.n == self.at:
+            raise KeyboardInterrupt
+        return out
+
+
+class NoRewindModel(ScriptedModel):
+    """A ScriptedModel with V4's cache contract: forward continues at the cached length or starts over at 0."""
+    can_rewind = False
+    cached_len = 0
+
+    def forward(self, tokens, start_pos=0):
+        if start_pos not in (0, self.cached_len):
+            raise ValueError(f"start_pos {start_pos}: V4 continues its caches only at the cached length {self.cached_len}")
+        self.cached_len = start_pos + np.asarray(tokens).shape[1]
+        return super().forward(tokens, start_pos)
+
+
+@pytest.mark.parametrize("k", [1, 2])                               # in the prefill chunk, in the decode
+def test_a_stopped_reply_leaves_the_cache_bookkeeping_right(tiny, k):
+    # replies that re-encode to the tokens generated, so the next turn would continue the caches where the
+    # chat's bookkeeping says they end: after a stop it must say what they hold now (for V4: nothing usable)
+    tok = generate.load_tokenizer(tiny)
+    enc = lambda text: tok.encode(text, add_special_tokens=False).ids   # noqa: E731
+    m = NoRewindModel(enc("Hello.") + [1] + enc("Sure, here")[:k] + enc("Fine.") + [1])
+    stop = Interrupted(m)
+    text = chat_with(m, tok, ["hi", lambda: stop.arm(k) or "again", "again"], n=20)
+    assert text.split("\n[stopped]\n")[1] == "Fine.\n", text
+    first, second, third = (s for s, n in m.calls if n > 1)         # each turn's prefill
+    assert first == 0 and second > 0 and third == 0                  # turn 2 continued turn 1; turn 3 started over
+
+
+@pytest.mark.parametrize("k", [3])                                  # in the decode
+def test_v4_chat_goes_on_after_a_stopped_reply(tiny_v4, k):
+    # V4's caches cannot rewind: after a stopped reply the next turn must start from what the caches hold
+    # (here: over), and the conversation must not hold the dropped exchange: the replies equal a chat's
+    # without it (a chat that kept its bookkeeping from before the stop would continue caches that moved on)
+    tok = generate.load_tokenizer(tiny_v4)
+    m = Transformer.from_pretrained(tiny_v4)                         # each chat starts over at 0 (V4)
+    first = chat_with(m, tok, ["hi"], fmt="dsml4")
+    fresh = chat_with(m, tok, ["hi", "again"], fmt="dsml4")
+    assert fresh.startswith(first) and len(fresh) > len(first) + 1
+    stop = Interrupted(m)
+    text = chat_with(m, tok, ["hi", lambda: stop.arm(k) or "again", "again"], fmt="dsml4")
+    before, after = text.split("\n[stopped]\n")
+    assert before.startswith(first) and after == fresh[len(first):], (text, fresh)
+
+
+class Terminal:
+    """A child on a pseudo-terminal as a user's shell runs it: its own session with the terminal as its
+    controlling one, so Ctrl-C (\\x03 typed) is its SIGINT. Every wait bounded; close() kills it."""
+
+    def __init__(self, args):
+        import fcntl
+        import os
+        import signal
+        import termios
+
+        def child():                                   # (a background suite starts children with SIGINT ignored)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        self.fd, slave = os.openpty()
+        self.p = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, start_new_session=True,
+                                  preexec_fn=child)
+        os.close(slave)
+        self.text, self.pos = "", 0                    # what it wrote ("\r\n" as "\n"); where expect() got to
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")   # a character may come in two reads
+
+    def read(self, seconds):  # what comes within `seconds` -> False once the child has closed the terminal
+        import os
+        import select
+        if not select.select([self.fd], [], [], seconds)[0]:
+            return True
+        try:
+            data = os.read(self.fd, 65536)
+        except OSError:                                # EIO: no writer left
+            return False
+        self.text += self.utf8.decode(data).replace("\r\n", "\n")
+        return bool(data)
+
+    def expect(self, what, timeout=60):  # wait until `what` is written after the last expect -> the text up to it
+        end = time.monotonic() + timeout
+        while what not in self.text[self.pos:]:
+            assert time.monotonic() < end and self.read(min(1.0, end - time.monotonic())), (what, self.text[-3000:])
+        start, self.pos = self.pos, self.text.index(what, self.pos) + len(what)
+        return self.text[start:self.pos]
+
+    def send(self, keys):
+        import os
+        os.write(self.fd, keys.encode())
+
+    def close(self):
+        import os
+        self.p.kill()
+        self.p.wait(timeout=30)
+        os.close(self.fd)
+
+
+def test_chat_ctrl_c_on_a_terminal(tiny):
+    # Ctrl-C during a reply stops it and the chat goes on without that exchange: the next reply is the
+    # one a chat that never had it gives; Ctrl-C at the prompt asks, a second in a row quits (130)
+    flags = ["--max-new-tokens", "40", "--temperature", "0"]
+    fresh = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(tiny), "--interactive", *flags],
+                           input="hi\nagain\n", capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert fresh.returncode == 0, fresh.stderr
+    first, second = fresh.stdout.split(">>> ")[1:3]                  # each reply, then its line feed
+    t = Terminal([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(tiny), "--interactive", *flags])
+    try:
+        t.expect(">>> ")
+        t.send("hi\r")
+        t.expect("hi\n")
+        assert t.expect(">>> ").startswith(first)                     # its report follows on stderr, the same terminal
+        t.send("again\r")
+        t.expect("again\n")
+        end = time.monotonic() + 60
+        while len(t.text) - t.pos < 8:                               # the reply is streaming
+            assert time.monotonic() < end and t.read(1.0), t.text[-2000:]
+        t.send("\x03")
+        stopped = t.expect("[stopped]\n>>> ")
+        assert "prefill:" not in stopped                             # no report: the reply never finished
+        t.send("again\r")
+        t.expect("again\n")
+        reply = t.expect(">>> ")
+        assert reply.startswith(second), (reply, second)
+        time.sleep(1)                                                # (input() must be reading: a SIGINT between its
+        t.send("\x03")                                               # prompt and its read waits for the next line)
+        t.expect("Ctrl-C again")
+        t.send("\x03")
+        t.expect("interrupted")
+        assert t.p.wait(timeout=30) == 130
+    finally:
+        t.close()
+
+
+# -----------------------------------------------------------------------------
+# The Python API, as a user calls it: from another folder, the repository put on sys.path
+
+API_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import generate
+from model import Transformer
+ckpt = sys.argv[2]
+model = Transformer.from_pretrained(ckpt)
+tok = generate.load_tokenizer(ckpt)
+messages = [{"role": "user", "content": "Hello, who are you?"}]
+print(json.dumps({
+    "pieces": list(generate.stream(model, tok, "Hello", 12)),
+    "text": generate.complete(model, tok, "Hello", 12),
+    "sampled": generate.complete(model, tok, "Hello", 12, temperature=0.8, top_k=1000, seed=3),
+    "items": list(generate.stream(model, tok, messages, 12)),
+    "reply": generate.complete(model, tok, messages, 12),
+}))
+"""
+
+
+def test_python_api_from_another_folder(tiny, tmp_path):
+    script = tmp_path / "use_it.py"
+    script.write_text(API_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(ROOT), str(tiny)], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    raw = run("--ckpt", tiny, "--prompt", "Hello", "--raw", "--max-new-tokens", 12, "--temperature", 0)
+    sampled = run("--ckpt", tiny, "--prompt", "Hello", "--raw", "--max-new-tokens", 12, "--temperature", 0.8,
+                  "--top-k", 1000, "--seed", 3)
+    chat_cli = run("--ckpt", tiny, "--prompt", "Hello, who are you?", "--max-new-tokens", 12, "--temperature", 0)
+    assert "".join(got["pieces"]) == got["text"] and len(got["pieces"]) > 1 and raw.stdout == got["text"] + "\n"
+    assert sampled.stdout == got["sampled"] + "\n" and got["sampled"] != got["text"]
+    reply = got["reply"]
+    assert set(reply) == {"reasoning", "content", "tool_calls", "finish_reason", "errors"}
+    assert reply["finish_reason"] == "length" and reply["reasoning"] is None and reply["content"]
+    assert "".join(text for kind, text in got["items"] if kind == "content") == reply["content"]
+    assert chat_cli.stdout == reply["content"] + "\n"
