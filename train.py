@@ -3,7 +3,7 @@
 sparse training with top-k selection, eq. (4) for the indexer; then the model written in the real
 checkpoint layout, so the loader, both numerics, --verify and the GPU kernels apply to it.
 
-    python train.py --out small-v32 --device cuda      the shipped model's recipe (354 s on an H200)
+    python train.py --out small-v32 --device cuda      the shipped model's recipe
     python train.py --evaluate small-v32               held-out bits per byte, dense / sparse / bzip2
     python views.py --ckpt small-v32 --out figures     the teaching views (views.py)
 
@@ -25,12 +25,18 @@ Letters: B sequences, T query tokens, S keys (the last T of them are the queries
 import hashlib
 import json
 import random
+import sys
 import sysconfig
+import time
 from pathlib import Path
 
-import torch
+try:
+    import torch
+except ImportError:                        # --help still works; main() names the set-up command
+    torch = None
 
 import chat
+from progress import Progress
 
 SPECIAL = [chat.BOS, chat.EOS, chat.USER, chat.ASSISTANT, chat.THINK, chat.END_THINK, chat.CALLS_BEGIN,
            chat.CALLS_END, chat.CALL_BEGIN, chat.CALL_END, chat.TOOL_SEP, chat.OUTPUT_BEGIN, chat.OUTPUT_END]
@@ -149,7 +155,7 @@ def indexer_kl_sparse(A, I, K):  # eq. (4): the KL over the selected keys S_t = 
 # The model in training: DeepSeek-V3.2-Exp's forward in float32 with autograd, its parameters under the
 # checkpoint's own (Hugging Face) names, so that export writes the layout model.py loads
 
-class TrainModel(torch.nn.Module):
+class TrainModel(torch.nn.Module if torch else object):     # (object: without torch, for --help)
     """The exact-numerics forward of model.Transformer (embedding, MLA under DSA with the lightning
     indexer, MoE, head) over a whole sequence from position 0, differentiable, also returning per layer
     the main attention's probabilities summed over heads (eq. (3)'s target) and the index scores I."""
@@ -273,7 +279,9 @@ class TrainModel(torch.nn.Module):
             out = out.index_add(0, tok, mlp(m + f"experts.{e}.", x[tok]) * w[tok, slot, None])
         return out + mlp(m + "shared_experts.", x)
 
-    def export(self, path, cfg, fp8=True):  # -> the checkpoint folder in the real layout (FP8 linears, bf16 rest)
+    def export(self, path, cfg, fp8=True, extra_files=None, force=False):  # -> the checkpoint folder, real layout
+        """FP8 linears, bf16 rest, + extra files {name: text}, written at once under train.py's marker (which
+        only --force replaces): an existing non-empty `path` is refused (FileExistsError) unless force."""
         import checkpoint
         import quant
         out = {}
@@ -286,7 +294,7 @@ class TrainModel(torch.nn.Module):
                 out[name] = quant.round_once(value.astype("float64"), quant.BF16)
             else:
                 out[name] = value.astype("float32")                      # norms and biases: F32
-        return checkpoint.write_checkpoint(path, cfg, out)
+        return checkpoint.write_checkpoint(path, cfg, out, extra_files=extra_files, kind="trained", force=force)
 
 
 # -----------------------------------------------------------------------------
@@ -397,7 +405,8 @@ def parser():  # the command line; its defaults are the shipped model's recipe (
     ap = argparse.ArgumentParser(description="Train a small DeepSeek-V3.2-Exp-architecture model in the paper's "
                                              "three stages and write it in the real checkpoint layout.")
     what = ap.add_mutually_exclusive_group(required=True)
-    what.add_argument("--out", help="train, and write the checkpoint to this folder (new, empty, or one we wrote)")
+    what.add_argument("--out", help="train, and write the checkpoint to this folder (new or empty; --force "
+                                    "replaces a non-empty one)")
     what.add_argument("--evaluate", metavar="CKPT", help="evaluate a checkpoint this wrote: held-out bits per byte "
                                                          "(dense, sparse, bzip2) and retrieval accuracy")
     ap.add_argument("--steps", type=int, nargs=3, default=[2500, 400, 1000], metavar=("DENSE", "WARMUP", "SPARSE"))
@@ -415,15 +424,23 @@ def parser():  # the command line; its defaults are the shipped model's recipe (
     ap.add_argument("--json", help="--evaluate: also write the rows to this JSON file (views.py --eval reads it)")
     ap.add_argument("--windows", type=int, default=128, help="--evaluate: scored blocks of 64 tokens per context")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, ... (a GPU trains with TF32 matrix products)")
+    ap.add_argument("--force", action="store_true", help="--out: replace the folder even if it is not empty (a "
+                                                         "checkpoint trained earlier, files of yours: deleted)")
     return ap
 
 
+def fail(message):  # one line on stderr and exit 2, without argparse's usage lines or a traceback
+    print(f"train.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv=None):
-    import sys
-    import time
-    import checkpoint
     ap = parser()
     a = ap.parse_args(argv)
+    if torch is None:
+        fail("torch is not installed in this Python: run ./setup.sh --torch (its CPU build; ./setup.sh --tests "
+             "installs everything)")
+    import checkpoint
     if a.evaluate:
         missing = [n for n in ("config.json", "tokenizer.json") if not (Path(a.evaluate) / n).is_file()]
         if missing:
@@ -442,9 +459,9 @@ def main(argv=None):
     except (RuntimeError, ValueError) as e:
         ap.error(f"--device {a.device}: {str(e).splitlines()[0]}")
     try:
-        checkpoint.check_replaceable(Path(a.out))
+        checkpoint.check_replaceable(Path(a.out), "trained", a.force)     # before any training, not after
     except (FileExistsError, NotADirectoryError) as e:
-        ap.error(str(e))
+        fail(e)
     prior = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True   # training's GEMMs in tf32
     try:
@@ -454,8 +471,6 @@ def main(argv=None):
 
 
 def train(a):  # the recipe of main's arguments -> the checkpoint written
-    import sys
-    import time
     t0 = time.time()
     files = stdlib_files()[:a.files]
     texts = read_text(files)
@@ -477,27 +492,26 @@ def train(a):  # the recipe of main's arguments -> the checkpoint written
         if i % max(1, n // 10) == 0:                                    # the held-out curve, dense attention
             entry["held_out"] = held_bpb(False, 32)
             model.train()
-        if i == n or i % max(1, n // 20) == 0:
-            bar = "#" * (20 * i // n) + "." * (20 - 20 * i // n)
-            print(f"{stage:>6} [{bar}] {i:5d}/{n}  lm {entry['lm']:.3f}  kl {entry['kl']:.4f}  recall {entry['recall']:.3f}"
-                  f"  {time.time() - t0:5.0f} s", file=sys.stderr, flush=True)
+        bar.update(i, f"lm {entry['lm']:.3f}  kl {entry['kl']:.4f}  recall {entry['recall']:.3f}")
     for stage, n in zip(STAGES, a.steps):
         t1 = time.time()
         batches = [b.to(a.device) for b in token_batches(ids, n, a.batch, a.seq, a.seed + len(log))]
         model.train()
+        bar = Progress(n, f"{stage:>6}")
         log[stage] = run_stage(model, batches, stage, a.lr, progress)
+        bar.close()
         seconds[stage] = time.time() - t1
         held[stage] = {mode: held_bpb(mode == "sparse", 64)
                        for mode in ("dense", "sparse")}                 # held-out bits per byte after the stage
         print(f"{stage:>6} done in {seconds[stage]:.0f} s; held-out bits per byte: dense {held[stage]['dense']:.3f}, "
               f"sparse {held[stage]['sparse']:.3f}", file=sys.stderr, flush=True)
-    out = model.cpu().export(Path(a.out), cfg)
-    (out / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
     where = {"python": sys.version.split()[0], "torch": torch.__version__, "device":
              torch.cuda.get_device_name() if str(a.device).startswith("cuda") else "cpu", "tokens": len(ids),
              "files": len(files), "date": time.strftime("%Y-%m-%d")}
-    (out / "train_log.json").write_text(json.dumps({"args": vars(a), "where": where, "seconds": seconds,
-                                                    "held_out_bits_per_byte": held, "log": log}))
+    train_log = json.dumps({"args": vars(a), "where": where, "seconds": seconds, "held_out_bits_per_byte": held,
+                            "log": log})
+    out = model.cpu().export(Path(a.out), cfg, extra_files={"tokenizer.json": tok.to_str(), "train_log.json": train_log},
+                             force=a.force)
     print(f"wrote {out} in {time.time() - t0:.0f} s", file=sys.stderr)
     return out
 
@@ -507,7 +521,7 @@ def evaluate(ckpt, n, files, out=None, windows=128):  # -> the rows printed: the
     times (YaRN beyond it), dense and sparse, the same scored tokens at every context; bzip2 -9 on the
     whole held-out files that hold them; retrieval accuracy over n fresh sequences at distances (characters)
     from within the top-k's reach to the training window's (n = 0: none). Rows printed as they come; `out`:
-    also written there as JSON (views.py plots them)."""
+    also written there as JSON (views.py plots them). A progress bar with the time left on stderr."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json"))
     model = TrainModel.from_checkpoint(ckpt).eval()
@@ -518,17 +532,27 @@ def evaluate(ckpt, n, files, out=None, windows=128):  # -> the rows printed: the
 
     def row(name, dense, sparse):
         rows.append((name, dense, sparse))
+        bar.clear()
         print(f"{name:55s} {dense:8.3f} {sparse:8.3f}", flush=True)
     docs = encode_ids(tok, held)
+    contexts = [c for c in (K // 2, K, 4 * K, 8 * K, 16 * K) if 1 <= c and c + 64 <= top]
+    scored = {T: len(score_blocks(docs, max(contexts), windows)) for T in contexts}      # the same blocks at every T
+    distances = (50, 200, 800) if n else ()
+    steps = [(2 * scored[T], forward_cost(T + 64)) for T in contexts] + [(2 * n, retrieval_cost(d)) for d in distances]
+    bar = Progress(sum(k for k, _ in steps), "evaluating", sum(k * cost for k, cost in steps))
+
+    def tick(cost):  # one window or retrieval sequence done, of this estimated cost
+        bar.update(bar.done + 1, work=bar.work + cost)
     bz = bzip2_bits_per_byte(held)
     row("bzip2 -9, bits per byte (the held-out files, whole)", bz, bz)
-    contexts = [c for c in (K // 2, K, 4 * K, 8 * K, 16 * K) if 1 <= c and c + 64 <= top]
-    for T in contexts:                                                   # the same scored tokens at every T
-        row(f"bits per byte after {T} tokens", *(bits_per_byte(model, tok, docs, T, sparse, windows, context_max=max(contexts))
+    for T in contexts:
+        row(f"bits per byte after {T} tokens", *(bits_per_byte(model, tok, docs, T, sparse, windows,
+                                                               context_max=max(contexts), tick=tick)
                                                  for sparse in (False, True)))
-    for dist in (50, 200, 800) if n else ():
-        row(f"retrieval accuracy at {dist} characters", *(retrieval_accuracy(model, tok, dist, n, sparse)
+    for dist in distances:
+        row(f"retrieval accuracy at {dist} characters", *(retrieval_accuracy(model, tok, dist, n, sparse, tick=tick)
                                                           for sparse in (False, True)))
+    bar.close()
     if out:
         Path(out).write_text(json.dumps(rows, indent=1) + "\n")
     return rows
@@ -537,27 +561,39 @@ def evaluate(ckpt, n, files, out=None, windows=128):  # -> the rows printed: the
 # -----------------------------------------------------------------------------
 # Evaluation: held-out bits per byte, dense and sparse, beside bzip2; retrieval accuracy against distance
 
-def bits_per_byte(model, tok, docs, T, sparse, max_windows=128, scored=64, context_max=None, per_file=8):
-    """Held-out bits per byte, the same scored tokens for every context T: in each document (its token ids,
-    encode_ids), up to `per_file`
-    consecutive blocks of `scored` tokens from position C = context_max (default T) on, each predicted after
-    the T tokens before it (one window of T + scored tokens, its last `scored` positions scored); up to
-    max_windows blocks in all. The next-token cross-entropy in bits over the UTF-8 bytes the blocks spell."""
+def score_blocks(docs, C, max_windows=128, scored=64, per_file=8):  # -> [(ids, p)]: the blocks bits_per_byte scores
+    """In each document, up to `per_file` consecutive blocks of `scored` tokens from position C on; up to
+    max_windows blocks in all."""
+    blocks = [(ids, p) for ids in docs for p in list(range(C, len(ids) - scored + 1, scored))[:per_file]]
+    return blocks[:max_windows]
+
+
+def bits_per_byte(model, tok, docs, T, sparse, max_windows=128, scored=64, context_max=None, per_file=8, tick=None):
+    """Held-out bits per byte, the same scored tokens for every context T: the blocks of `scored` tokens
+    of score_blocks (from position C = context_max, default T, in each document: its token ids, encode_ids),
+    each predicted after the T tokens before it (one window of T + scored tokens, its last `scored`
+    positions scored). The next-token cross-entropy in bits over the UTF-8 bytes the blocks spell.
+    tick(cost): told after each window, with its forward_cost."""
     import math
-    C = context_max or T
-    bits, nbytes, seen = 0.0, 0, 0
-    for ids in docs:
-        for p in list(range(C, len(ids) - scored + 1, scored))[:per_file]:
-            if seen == max_windows:
-                return bits / nbytes
-            w = torch.tensor([ids[p - T:p + scored]], device=getattr(model, "device", None))
-            with torch.no_grad():
-                logits = model(w, sparse=sparse)[0, T - 1:-1]            # the predictions of ids[p:p + scored]
-            ce = torch.nn.functional.cross_entropy(logits.float(), w[0, T:], reduction="sum").cpu()
-            bits += float(ce) / math.log(2)
-            nbytes += len(tok.decode(ids[p:p + scored]).encode("utf-8"))
-            seen += 1
+    bits, nbytes = 0.0, 0
+    for ids, p in score_blocks(docs, context_max or T, max_windows, scored, per_file):
+        w = torch.tensor([ids[p - T:p + scored]], device=getattr(model, "device", None))
+        with torch.no_grad():
+            logits = model(w, sparse=sparse)[0, T - 1:-1]                # the predictions of ids[p:p + scored]
+        ce = torch.nn.functional.cross_entropy(logits.float(), w[0, T:], reduction="sum").cpu()
+        bits += float(ce) / math.log(2)
+        nbytes += len(tok.decode(ids[p:p + scored]).encode("utf-8"))
+        if tick:
+            tick(forward_cost(T + scored))
     return bits / max(nbytes, 1)
+
+
+def forward_cost(tokens):  # a forward's time, in units of about one token's, for the progress bar's estimate
+    return tokens * (1 + tokens / 512)                                   # linear layers, attention's T^2
+
+
+def retrieval_cost(distance):  # a retrieval sequence's estimated forward_cost: a few forwards of its prompt
+    return 3 * forward_cost(30 + distance // 3)
 
 
 def encode_ids(tok, texts):  # -> each text's token ids, encoded once (in parallel) for every measure
@@ -570,9 +606,10 @@ def bzip2_bits_per_byte(texts):  # the same held-out text through bzip2 (level 9
     return 8 * len(bz2.compress(raw, 9)) / len(raw)
 
 
-def retrieval_accuracy(model, tok, distance, n, sparse, seed=10_000):  # share of fresh sequences answered right
+def retrieval_accuracy(model, tok, distance, n, sparse, seed=10_000, tick=None):  # share of fresh sequences answered right
     """Greedy continuation after 'print(key)  #': right iff it spells ' ' and the bound value's digits (the
-    space left to the continuation, where byte-level BPE puts it: on the value's first token)."""
+    space left to the continuation, where byte-level BPE puts it: on the value's first token). tick(cost):
+    told after each sequence, with retrieval_cost(distance)."""
     right = 0
     for k in range(n):
         text, key, value = retrieval_sequence(seed + k, distance)
@@ -582,6 +619,8 @@ def retrieval_accuracy(model, tok, distance, n, sparse, seed=10_000):  # share o
             for _ in range(len(tok.encode(" " + value).ids)):
                 ids.append(int(model(torch.tensor([ids], device=model.device), sparse=sparse)[0, -1].argmax()))
         right += tok.decode(ids[len(prompt):]).strip().startswith(value)
+        if tick:
+            tick(retrieval_cost(distance))
     return right / n
 
 

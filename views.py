@@ -1,4 +1,4 @@
-"""Teaching views of a trained DSA model (issue 21): what the lightning indexer learns, as PNG figures.
+"""Teaching views of a trained DSA model: what the lightning indexer learns, as PNG figures.
 
     python views.py --ckpt small-v32 --out figures [--eval eval.json]
 
@@ -13,7 +13,9 @@
                    (eq. (3) in the warm-up, eq. (4) in sparse training) and its recall, step by step.
 
 Letters: T query tokens, S keys (here S = T, the prompt attending itself), H heads, k = index_topk.
-matplotlib draws (Agg: files only, no display); every number comes from train.py's functions.
+matplotlib draws (Agg: files only, no display); every number comes from train.py's functions. Without
+--eval, view 3 runs train.py's evaluation (minutes on a CPU; a progress bar on stderr tells the time left).
+Needs torch and matplotlib: ./setup.sh --views installs them.
 """
 import json
 from pathlib import Path
@@ -157,11 +159,6 @@ def plot_training(log, path):  # log: train_log.json's "log" {stage: [step entri
 def main(argv=None):
     import argparse
     import sys
-    import matplotlib
-    matplotlib.use("Agg")
-    from tokenizers import Tokenizer
-    import checkpoint
-    import train
     ap = argparse.ArgumentParser(description="Draw the teaching views of a checkpoint train.py wrote.")
     ap.add_argument("--ckpt", required=True, help="a folder train.py wrote (config.json, weights, tokenizer.json, "
                                                   "train_log.json)")
@@ -169,6 +166,17 @@ def main(argv=None):
     ap.add_argument("--eval", help="a JSON file of train.py --evaluate's rows to plot instead of evaluating here")
     ap.add_argument("--tokens", type=int, default=160, help="the prompt's length in tokens for views 1 and 2")
     a = ap.parse_args(argv)
+    try:
+        import matplotlib
+        import torch  # noqa: F401
+    except ImportError as e:                       # one line, not a traceback: what to install
+        print(f"views: {e.name or 'a package'} is not installed in this Python: run ./setup.sh --views "
+              f"(torch and matplotlib)", file=sys.stderr)
+        raise SystemExit(2)
+    matplotlib.use("Agg")
+    from tokenizers import Tokenizer
+    import checkpoint
+    import train
     ckpt, out = Path(a.ckpt), Path(a.out)
     for name in ("config.json", "tokenizer.json", "train_log.json"):
         if not (ckpt / name).is_file():

@@ -193,58 +193,166 @@ def test_torch_weight_quant_equals_numpy():
 # -----------------------------------------------------------------------------
 # The builder never replaces what it did not write; the write stays atomic
 
-def test_builder_refuses_a_folder_it_did_not_write(tmp_path):
+def tree(folder):  # -> {every file's path under folder: sha256 of its bytes}, folders as None: the bytes kept
+    import hashlib
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+            for p in sorted(folder.rglob("*"))}
+
+
+def built(path, seed=0):  # a folder the builder wrote (one layer: quick)
     cfg = checkpoint.tiny_config(num_hidden_layers=1)
+    return checkpoint.write_checkpoint(path, cfg, checkpoint.random_weights(cfg, seed))
+
+
+def trained(path):  # a folder train.py wrote, through its own export (one layer, untrained weights: quick)
+    import train
+    cfg = checkpoint.tiny_config(num_hidden_layers=1, vocab_size=256, max_position_embeddings=64)
+    return train.TrainModel(cfg, seed=0).export(path, cfg, extra_files={"tokenizer.json": "{}"})
+
+
+def refused(path, message, monkeypatch, **kw):  # build_tiny refuses path with message, before any drawing, unchanged
+    before = tree(path)
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "random_weights", lambda *a, **k: pytest.fail("drew weights before refusing"))
+        with pytest.raises(FileExistsError) as e:
+            checkpoint.build_tiny(path, tokenizer=False, **kw)
+    assert str(e.value) == message and tree(path) == before
+    assert sorted(p.name for p in path.parent.iterdir() if ".tmp" in p.name) == []
+
+
+def test_builder_refuses_a_folder_it_did_not_write(tmp_path, monkeypatch):
     mine = tmp_path / "mine"
     (mine / "sub").mkdir(parents=True)
     (mine / "precious.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match=r"mine is a non-empty folder that checkpoint.py did not write"):
-        checkpoint.write_checkpoint(mine, cfg, {})
-    assert (mine / "precious.txt").read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    refused(mine, f"{mine} is a non-empty folder that checkpoint.py did not write (no {checkpoint.MARKER} in it); "
+                  "refusing to replace it: choose a new or empty folder (--force replaces it anyway)", monkeypatch)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match="is not a folder"):
-        checkpoint.write_checkpoint(tmp_path / "file", cfg, {})
+        checkpoint.write_checkpoint(tmp_path / "file", {}, {}, force=True)       # not a folder: not even forced
     empty = tmp_path / "empty"
     empty.mkdir()
-    checkpoint.write_checkpoint(empty, cfg, checkpoint.random_weights(cfg))            # an empty folder is fine
-    assert (empty / checkpoint.MARKER).is_file()
-    (empty / "stale.txt").write_text("from an earlier build")
-    checkpoint.write_checkpoint(empty, cfg, checkpoint.random_weights(cfg))            # marked: replaced whole
-    assert not (empty / "stale.txt").exists() and (empty / "config.json").is_file()
+    built(empty)                                                                  # an empty folder is fine
+    assert (empty / checkpoint.MARKER).read_text().startswith("built by checkpoint.py")
+
+
+def test_builder_replaces_only_its_own_build(tmp_path, monkeypatch):
+    # its own build, nothing else in it: replaced whole (the same bytes as a fresh build)
+    out = built(tmp_path / "ck")
+    (out / "tokenizer.json").write_text("{}")                      # a name the builder writes (without --no-tokenizer)
+    built(out, seed=1)
+    assert tree(out) == tree(built(tmp_path / "fresh", seed=1)) != tree(built(tmp_path / "seed0"))
+    # the same build with a file (or a folder) the builder does not write: refused, unchanged
+    (out / "notes.txt").write_text("mine")
+    refused(out, f"{out} holds files the builder does not write (notes.txt); refusing to replace it (--force "
+                 "replaces it anyway)", monkeypatch)
+    for name in ("a.txt", "b.txt", "c.txt", "sub"):
+        (out / name).mkdir() if name == "sub" else (out / name).write_text(name)
+    refused(out, f"{out} holds files the builder does not write (a.txt, b.txt, c.txt and 2 more); refusing to "
+                 "replace it (--force replaces it anyway)", monkeypatch)
+    # a marker of no kind this writes: refused
+    (tmp_path / "seed0" / checkpoint.MARKER).write_text("someone else's\n")
+    refused(tmp_path / "seed0", f"{tmp_path / 'seed0'}/{checkpoint.MARKER} says neither 'built by checkpoint.py' nor "
+                                "'trained by train.py'; refusing to replace the folder (--force replaces it anyway)",
+            monkeypatch)
+
+
+def test_builder_refuses_a_checkpoint_train_py_wrote(tmp_path, monkeypatch):
+    # train.py's marker alone refuses it: its files are all names the builder writes too
+    out = trained(tmp_path / "t")
+    assert (out / checkpoint.MARKER).read_text().startswith("trained by train.py")
+    assert all(checkpoint.BUILT_FILES.fullmatch(p.name) for p in out.iterdir() if p.name != checkpoint.MARKER)
+    refused(out, f"{out} holds a checkpoint train.py trained; refusing to replace it (--force replaces it anyway)",
+            monkeypatch)
+    refused(out, f"{out} holds a checkpoint train.py trained; refusing to replace it (--force replaces it anyway)",
+            monkeypatch, real_layers=1)                          # before minutes of drawing at real width too
+
+
+def test_builder_legacy_marker_counts_as_built_only_alone(tmp_path, monkeypatch):
+    # the marker of before its kinds (older builds, and train.py's folders then): replaced only while the
+    # folder holds nothing but the builder's own files
+    out = built(tmp_path / "old")
+    (out / checkpoint.MARKER).write_text(checkpoint.LEGACY + "\n")
+    (out / "train_log.json").write_text("{}")
+    refused(out, f"{out} holds files the builder does not write (train_log.json); refusing to replace it (--force "
+                 "replaces it anyway)", monkeypatch)
+    (out / "train_log.json").unlink()
+    built(out)
+    assert (out / checkpoint.MARKER).read_text().startswith("built by checkpoint.py")
+
+
+def shipped_copy(tmp_path, marker=None):  # a copy of the shipped trained small-v32 (optionally another marker)
+    import shutil
+    out = shutil.copytree(ROOT / "small-v32", tmp_path / "small-v32")
+    if marker is not None:
+        (out / checkpoint.MARKER).write_text(marker)
+    return out
+
+
+def run_builder(cwd, *args):
+    return subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("marker, said", [
+    (None, "small-v32 holds a checkpoint train.py trained; refusing to replace it (--force replaces it anyway)"),
+    (checkpoint.LEGACY + "\n", "small-v32 holds files the builder does not write (train_log.json); refusing to "
+                               "replace it (--force replaces it anyway)")])
+def test_builder_cli_keeps_the_shipped_trained_model(tmp_path, marker, said):
+    # `python checkpoint.py small-v32` once replaced the trained model with random weights and exited 0;
+    # with the shipped marker (train.py's) and with the one it had before (the legacy text)
+    out = shipped_copy(tmp_path, marker)
+    before = tree(out)
+    r = run_builder(tmp_path, "small-v32", "--no-tokenizer")
+    assert (r.returncode, r.stderr.splitlines(), r.stdout) == (2, [f"error: {said}"], "")
+    assert tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["small-v32"]
+
+
+def test_builder_cli_force_replaces_it(tmp_path):
+    # the builder's tiny-v32 in its place, whole (its shards' bytes: test_bundled_checkpoint_bytes_are_the_same_everywhere)
+    import hashlib
+    out = shipped_copy(tmp_path)
+    r = run_builder(tmp_path, "small-v32", "--no-tokenizer", "--force")
+    assert r.returncode == 0, r.stderr
+    assert sorted(tree(out)) == [checkpoint.MARKER, "config.json", "model-00001-of-00002.safetensors",
+                                 "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert [hashlib.sha256(f.read_bytes()).hexdigest()[:24] for f in sorted(out.glob("*.safetensors"))] == [
+        "9e0d2a38023c530568b23ea9", "4a78d93080839e73189b62d0"]
+    assert checkpoint.made_by(out) == "built" and [p.name for p in tmp_path.iterdir()] == ["small-v32"]
+
+
+def test_the_shipped_model_carries_train_pys_marker():
+    assert checkpoint.made_by(ROOT / "small-v32") == "trained"
 
 
 def test_builder_replaces_a_build_from_before_the_marker(tmp_path):
     # tiny-v32 folders built before the marker existed hold only the builder's own file names
-    cfg = checkpoint.tiny_config(num_hidden_layers=1)
-
     def old_build(name):
-        out = checkpoint.write_checkpoint(tmp_path / name, cfg, checkpoint.random_weights(cfg))
+        out = built(tmp_path / name)
         (out / checkpoint.MARKER).unlink()
         return out
     old = old_build("old")
     (old / "config.json").unlink()                      # what makes setup.sh rebuild it
-    checkpoint.write_checkpoint(old, cfg, checkpoint.random_weights(cfg))
+    built(old)
     assert (old / checkpoint.MARKER).is_file()
     for extra, text in (("README.md", "mine"), ("config.json", '{"model_type": "llama"}')):
         other = old_build(extra)                        # + a file the builder never writes, or another model
         (other / extra).write_text(text)
         with pytest.raises(FileExistsError, match="did not write"):
-            checkpoint.write_checkpoint(other, cfg, {})
+            checkpoint.write_checkpoint(other, {}, {})
         assert (other / extra).read_text() == text
 
 
 def test_builder_cli_refuses_in_one_line(tmp_path):
     (tmp_path / "precious.txt").write_text("keep me")
-    r = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), ".", "--no-tokenizer"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+    r = run_builder(tmp_path, ".", "--no-tokenizer")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [f"error: {tmp_path} is a non-empty folder that checkpoint.py did not "
                                              f"write (no {checkpoint.MARKER} in it); refusing to replace it: choose "
-                                             "a new or empty folder, or delete it yourself"]
+                                             "a new or empty folder (--force replaces it anyway)"]
     assert [p.name for p in tmp_path.iterdir()] == ["precious.txt"]
     for v4 in ([], ["--v4"]):                                         # no layers: refused before any drawing
-        r = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "new", "--real-layers", "0", *v4], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=120)
+        r = run_builder(tmp_path, "new", "--real-layers", "0", *v4)
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [
             "error: --real-layers 0: a real-width checkpoint needs at least 1 layer"]
         assert not (tmp_path / "new").exists()
@@ -405,7 +513,7 @@ def test_real_width_v4_layers_follow_v4_flash(tmp_path, monkeypatch, capsys):
         index_n_heads=4, index_head_dim=64, index_topk=4, n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=128, sliding_window=16))
     out = checkpoint.build_tiny(tmp_path / "v4r", tokenizer=False, real_layers=5, device="cpu", v4=True)
-    assert "drawing layer 5/5" in capsys.readouterr().err
+    assert "drawing layers [####################] 5/5" in capsys.readouterr().err        # the progress bar's end
     m = Transformer.from_pretrained(out)
     assert m.args.layer_types == ["sliding_attention"] * 2 + ["compressed_sparse_attention",
                                                               "heavily_compressed_attention"] * 1 + ["compressed_sparse_attention"]

@@ -2,6 +2,10 @@
 against model.Transformer, the stages, the evaluation's measures, a toy run of the whole recipe, and the shipped
 model (small-v32/) against its recipe and bzip2; the data split, the retrieval sequences and the tokenizer."""
 import json
+import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import chat
 import indexer
+from conftest import ROOT
 
 torch = pytest.importorskip("torch")
 import train  # noqa: E402
@@ -124,7 +129,7 @@ def test_the_other_stages_step():
     assert torch.isfinite(loss) and 0 < log["recall"] <= 1
 
 
-def test_the_recipe_end_to_end_on_a_toy(tmp_path):
+def test_the_recipe_end_to_end_on_a_toy(tmp_path, capsys):
     # train.py's command on a toy budget: data, tokenizer, the three stages, the export; the result
     # loads through the model's own loader and generates through generate.py
     import subprocess
@@ -135,6 +140,8 @@ def test_the_recipe_end_to_end_on_a_toy(tmp_path):
                       "--vocab", "400", "--files", "3"])
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32   # training's tf32 set back
     assert (out / "tokenizer.json").is_file() and (out / "train_log.json").is_file()
+    err = capsys.readouterr().err                                    # each stage's progress bar, to its end
+    assert all(f"{stage:>6} [####################] 2/2  elapsed " in err for stage in train.STAGES)
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run([sys.executable, str(root / "generate.py"), "--ckpt", str(out), "--prompt", "def f(x):", "--raw",
                         "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, timeout=300, cwd=root)
@@ -142,6 +149,9 @@ def test_the_recipe_end_to_end_on_a_toy(tmp_path):
     rows = train.main(["--evaluate", str(out), "--files", "2", "--samples", "1", "--windows", "2"])     # the evaluation's table
     assert [name.split(" after ")[0] for name, *_ in rows][:2] == ["bzip2 -9, bits per byte (the held-out files, whole)", "bits per byte"]
     assert all(0 <= dense and 0 <= sparse for _, dense, sparse in rows)
+    said = capsys.readouterr()                                       # the table on stdout, the bar on stderr
+    assert len(said.out.splitlines()) == 1 + len(rows) and "evaluating" not in said.out
+    assert re.search(r"^evaluating \[#{20}\] +(\d+)/\1  elapsed \d+:\d\d  done$", said.err, re.M)
 
 
 def test_evaluation_measures():
@@ -218,10 +228,10 @@ def test_the_shipped_model_is_train_pys_recipe():
     # python train.py --out small-v32 --device cuda retrains it: every recipe option in its log is the default
     log = json.loads((SHIPPED / "train_log.json").read_text())
     defaults = vars(train.parser().parse_args(["--out", "x"]))
-    recipe = {k: v for k, v in log["args"].items() if k not in ("out", "evaluate", "device")}
+    recipe = {k: v for k, v in log["args"].items() if k not in ("out", "evaluate", "device", "force")}
     assert recipe == {k: defaults[k] for k in recipe}
     later = set(defaults) - set(log["args"])                      # options added after the run, at the old behaviour
-    assert later <= {"queries", "json", "windows"} and defaults["queries"] == 1
+    assert later <= {"queries", "json", "windows", "force"} and defaults["queries"] == 1
     assert [len(log["log"][s]) for s in train.STAGES] == defaults["steps"]
     cfg = json.loads((SHIPPED / "config.json").read_text())
     assert cfg["index_topk"] == defaults["topk"] < defaults["seq"]
@@ -246,7 +256,8 @@ def test_bad_input_gets_one_line_and_touches_nothing(tmp_path, capsys):
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "notes.txt").write_text("mine")
-    for argv, said in ((["--out", str(theirs)], "did not write"), (["--evaluate", str(tmp_path / "none")], "no config.json"),
+    for argv, said in ((["--out", str(theirs)], "is not empty (it holds 1 file)"),
+                       (["--evaluate", str(tmp_path / "none")], "no config.json"),
                        (["--out", str(tmp_path / "n"), "--steps", "0", "1", "1"], "must be positive"),
                        (["--out", str(tmp_path / "n"), "--dropout", "1.5"], "a probability below 1"),
                        (["--out", str(tmp_path / "n"), "--device", "nonsense"], "--device nonsense"),
@@ -275,3 +286,117 @@ def test_bits_per_byte_scores_each_token_by_the_prediction_before_it():
     want = 4 * n / sum(len(tok.decode(ids[p:p + n]).encode()) for p in blocks)
     got = train.bits_per_byte(half_right, tok, [ids], C, False, max_windows=4, scored=n, per_file=4)
     assert abs(got - want) <= 1e-5 * want
+
+
+# -----------------------------------------------------------------------------
+# --out writes only to a new or empty folder (--force: any), refused before any training
+
+def test_out_refuses_a_non_empty_folder_before_training(tmp_path, monkeypatch, capsys):
+    from test_checkpoint import built, trained, tree
+    monkeypatch.setattr(train, "train", lambda a: pytest.fail("training started before the refusal"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    for folder, held in ((trained(tmp_path / "t"), "a checkpoint train.py trained"),
+                         (built(tmp_path / "b"), "a checkpoint checkpoint.py built"), (mine, "1 file")):
+        before = tree(folder)
+        with pytest.raises(SystemExit) as e:
+            train.main(["--out", str(folder)])
+        assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [
+            f"train.py: error: {folder} is not empty (it holds {held}); train.py writes only to a new or empty "
+            "folder (--force replaces it anyway)"]
+        assert tree(folder) == before
+    monkeypatch.setattr(train, "train", lambda a: ("trained", a.force))            # --force: on to training
+    assert train.main(["--out", str(tmp_path / "t"), "--force"]) == ("trained", True)
+
+
+def test_export_replaces_a_checkpoint_only_with_force(tmp_path):
+    from test_checkpoint import trained, tree
+    out = trained(tmp_path / "t")
+    before = tree(out)
+    cfg = json.loads((out / "config.json").read_text())
+    m = train.TrainModel(cfg, seed=1)
+    with pytest.raises(FileExistsError, match="holds a checkpoint train.py trained"):
+        m.export(out, cfg)
+    assert tree(out) == before
+    m.export(out, cfg, force=True)                                              # replaced whole: no tokenizer.json
+    assert sorted(tree(out)) == sorted(set(before) - {"tokenizer.json"}) and tree(out) != before
+    assert (out / ".dsa-ref-checkpoint").read_text().startswith("trained by train.py")
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]                        # nothing moved aside left
+
+
+def test_out_cli_keeps_the_shipped_model(tmp_path):
+    # `python train.py --out small-v32` in one line, exit 2, before the data is even read (the recipe's
+    # defaults would train for hours: the timeout would fail this); every byte of the folder kept
+    from test_checkpoint import shipped_copy, tree
+    out = shipped_copy(tmp_path)
+    before = tree(out)
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--out", "small-v32"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr.splitlines(), r.stdout) == (2, [
+        "train.py: error: small-v32 is not empty (it holds a checkpoint train.py trained); train.py writes only to "
+        "a new or empty folder (--force replaces it anyway)"], "")
+    assert tree(out) == before and [p.name for p in tmp_path.iterdir()] == ["small-v32"]
+
+
+def without(tmp_path, *names):  # an environment in which these packages do not import (shadowed on PYTHONPATH)
+    for name in names:
+        (tmp_path / "shim" / name).mkdir(parents=True)
+        (tmp_path / "shim" / name / "__init__.py").write_text(
+            f"raise ModuleNotFoundError(\"No module named '{name}'\", name='{name}')\n")
+    return dict(os.environ, PYTHONPATH=str(tmp_path / "shim"))
+
+
+def test_without_torch_help_works_and_the_rest_says_what_to_install(tmp_path):
+    env = without(tmp_path, "torch")
+    run = lambda *args: subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,  # noqa: E731
+                                       capture_output=True, text=True, timeout=120)
+    r = run("--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: train.py") and r.stderr == ""
+    for args in (["--out", "new"], ["--evaluate", str(ROOT / "small-v32")]):
+        r = run(*args)
+        assert (r.returncode, r.stderr.splitlines()) == (2, [
+            "train.py: error: torch is not installed in this Python: run ./setup.sh --torch (its CPU build; "
+            "./setup.sh --tests installs everything)"]), args
+    assert not (tmp_path / "new").exists()
+
+
+def test_progress_bar_in_a_log(monkeypatch):
+    # not a terminal: a line at most every `every` seconds and the last one once; the time left is the time
+    # so far per unit of work times the work left
+    import io
+    import progress
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    log = io.StringIO()
+    bar = progress.Progress(8, "stage", total_work=100, stream=log, every=5)
+    for done, work, t in ((1, 25, 10), (2, 50, 12), (3, 60, 16), (8, 100, 40)):
+        now[0] = t
+        bar.update(done, note="lm 2.5", work=work)
+    bar.close()
+    assert log.getvalue().splitlines() == [
+        "stage [#####...............] 1/8  elapsed 0:10  left ~0:30  lm 2.5",     # 25 of 100 in 10 s: 30 s more
+        "stage [############........] 3/8  elapsed 0:16  left ~0:11  lm 2.5",     # (12 s: too soon for a line)
+        "stage [####################] 8/8  elapsed 0:40  done  lm 2.5"]            # 40 left of 60 in 16 s: 10.7 s
+
+
+def test_progress_bar_on_a_terminal(monkeypatch):
+    # a terminal: redrawn in place (carriage return, line cleared), wiped for other output, ended by a newline
+    import io
+    import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    out = Terminal()
+    bar = progress.Progress(2, "x", stream=out)
+    now[0] = 5
+    bar.update(1)
+    bar.clear()
+    now[0] = 3725
+    bar.close()
+    assert out.getvalue() == ("\r\033[Kx [##########..........] 1/2  elapsed 0:05  left ~0:05"
+                              "\r\033[K"
+                              "\r\033[Kx [####################] 2/2  elapsed 1:02:05  done\n")

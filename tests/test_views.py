@@ -62,3 +62,20 @@ def test_the_four_views_of_a_toy_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit, match="train_log.json is missing"):
         views.main(["--ckpt", str(out), "--out", str(tmp_path / "fig2")])
     assert not (tmp_path / "fig2").exists()                              # nothing made before the check
+
+
+@pytest.mark.parametrize("missing", ["torch", "matplotlib"])
+def test_without_torch_or_matplotlib_help_works_and_the_rest_says_what_to_install(tmp_path, missing):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    from test_train import without
+    env = without(tmp_path, missing)
+    run = lambda *args: subprocess.run([sys.executable, str(ROOT / "views.py"), *args], cwd=tmp_path, env=env,  # noqa: E731
+                                       capture_output=True, text=True, timeout=120)
+    r = run("--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: views.py") and r.stderr == ""
+    r = run("--ckpt", str(ROOT / "small-v32"), "--out", "fig")
+    assert (r.returncode, r.stderr.splitlines()) == (2, [
+        f"views: {missing} is not installed in this Python: run ./setup.sh --views (torch and matplotlib)"])
+    assert not (tmp_path / "fig").exists()
