@@ -516,7 +516,7 @@ def train(a):  # the recipe of main's arguments -> the checkpoint written
     return out
 
 
-def evaluate(ckpt, n, files, out=None, windows=128):  # -> the rows printed: the issue's table for one checkpoint
+def evaluate(ckpt, n, files, out=None, windows=128):  # -> the rows printed: the evaluation's table for one checkpoint
     """Held-out bits per byte after contexts from half index_topk to 8 times it (the training window) and 16
     times (YaRN beyond it), dense and sparse, the same scored tokens at every context; bzip2 -9 on the
     whole held-out files that hold them; retrieval accuracy over n fresh sequences at distances (characters)
