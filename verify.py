@@ -151,7 +151,8 @@ def run(m, tokens, forced=None):
         pos += 1
     rows = np.stack(rows)
     hidden = [to_numpy(h)[0] for h in rec.get("hidden", [])]
-    selected = [None if s is None else to_numpy(s)[0].astype(bool) for s in rec.get("selected", [])]   # None: no indexer
+    selected = [None if s is None else to_numpy(s)[0].astype(bool)      # None: a layer without an indexer
+                for s in rec.get("selected", [])]
     return hidden, selected, logits, [int(t) for t in rows.argmax(-1)], rows
 
 
@@ -223,8 +224,9 @@ def check_fixed(rec, rows, out):  # comparison 2 on teacher-forced rows -> True 
     behind = rows.max(-1) - rows[np.arange(len(greedy)), greedy]       # 0 where it is still the top one
     held, top = int((behind <= FIXED_TOLERANCE * scale).sum()), int((behind == 0).sum())
     ok = held == len(greedy) and err <= FIXED_TOLERANCE
-    print(f"   {held}/{len(greedy)} recorded greedy tokens hold ({top} the top one, the rest within the tolerance "
-          f"of it); top-{TOP_K} logits max rel. error {err:.2e} (tolerance {FIXED_TOLERANCE:.0e})"
+    ties = f", {held - top} within the tolerance of it" if held > top else ""
+    print(f"   {held}/{len(greedy)} recorded greedy tokens hold ({top} the top one{ties}); top-{TOP_K} logits "
+          f"max rel. error {err:.2e} (tolerance {FIXED_TOLERANCE:.0e})"
           f"{'' if ok else '  <-- beyond tolerance'}", file=out)
     return ok
 
@@ -280,7 +282,7 @@ def verify(ckpt, backend="torch", device=None, numerics="official", layers=None,
     """Print the comparisons and a verdict; -> PASS (0), FAIL (1) or NOTHING compared (3).
     record: the path of a goldens file to write this run's golden into, or None; goldens_path is only read."""
     from checkpoint import Checkpoint
-    if isinstance(record, bool):
+    if record is True:                                                   # the earlier flag: say where to write
         raise TypeError("verify(record=...) takes the path of the file to write, or None")
     cfg = Checkpoint(ckpt).config
     layers = layer_count(cfg, ckpt, layers)
@@ -298,7 +300,8 @@ def verify(ckpt, backend="torch", device=None, numerics="official", layers=None,
         results.append(compare_backends(ckpt, backend, device, layers, tokens, out))
 
     def model_run(n):
-        return run(Transformer.from_pretrained(ckpt, backend=backend, device=device, numerics=n, n_layers=layers), tokens)
+        m = Transformer.from_pretrained(ckpt, backend=backend, device=device, numerics=n, n_layers=layers)
+        return run(m, tokens)
     chosen = model_run(numerics)
     exact = chosen if numerics == "exact" else model_run("exact")
     fixed_key = f"exact/{layers or 'all'}"

@@ -80,7 +80,7 @@ def test_a_slightly_wrong_model_fails_the_fixed_check(tiny, tmp_path):
     r = cli("--ckpt", tiny, "--verify", script=launcher)
     assert r.returncode == 1 and "VERIFY FAIL" in r.stdout, r.stdout + r.stderr
     line = fixed_line(r.stdout)
-    assert "16/16 recorded greedy tokens hold (16 the top one" in line and "<-- beyond tolerance" in line
+    assert "16/16 recorded greedy tokens hold (16 the top one)" in line and "<-- beyond tolerance" in line
     err = float(line.split("max rel. error ")[1].split()[0])
     assert 1e-5 < err < 1e-3                                  # slightly beyond float rounding, caught
 
