@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -56,10 +56,16 @@ def pytest_sessionstart(session):
                                 + " (./setup.sh --tests installs them all)")
 
 # Few examples per property so the whole suite stays within minutes on 2 cores; shapes and values
-# are drawn, not just seeds.
-settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.load_profile("ci")
+# are drawn, not just seeds. "ci", the default (CI and the fast loop), reports the first failing example
+# as drawn, without shrinking it: shrinking replays a failing property hundreds of times, minutes through
+# the interpreted kernels, for a smaller example. "dev" shrinks: HYPOTHESIS_PROFILE=dev or
+# --hypothesis-profile=dev. A test's own @settings(...) overrides only the fields it names (none names
+# phases), so the profile decides everywhere.
+_PROFILE = dict(max_examples=25, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target], **_PROFILE)
+settings.register_profile("dev", phases=list(Phase), **_PROFILE)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

@@ -492,6 +492,47 @@ def test_streaming_per_token_with_the_real_tokenizer(tok, fmt, prompt, text):
         assert stream(chunks, fmt, prompt)[:4] == whole, k
 
 
+# After a prompt that opens <think>: reasoning until the first </think>, then content, neither holding a
+# marker, whole and streamed; the expected strings written here by hand
+THINK_SPLITS = [  # (completion, reasoning, content)
+    ("Let me weigh it.\n</think>\n\nIt is 10." + EOS, "Let me weigh it.\n", "\n\nIt is 10."),
+    ("a</think>b", "a", "b"),
+    ("</think>only the answer", None, "only the answer"),
+    ("東京 😀</think>😀 東京", "東京 😀", "😀 東京"),
+    ("still weighing </thi", "still weighing </thi", None),          # no end: all reasoning, the held tail too
+]
+CALL_AFTER = {"v32exp": v31(("f", "{}")), "dsml32": dsml(invoke("f", ("k", "true", "v"))),
+              "dsml4": dsml(invoke("f", ("k", "true", "v")), block="tool_calls")}
+
+
+@pytest.mark.parametrize("fmt", chat.FORMATS)
+@pytest.mark.parametrize("text, reasoning, content", THINK_SPLITS + [("plan</think>Let me look.", "plan", "Let me look.")])
+def test_reasoning_and_content_split_without_the_markers(fmt, text, reasoning, content):
+    prompt = chat.encode([U], fmt=fmt, thinking=True)
+    assert prompt.endswith("<think>")
+    if text.startswith("plan"):                                       # a call after the content
+        text += CALL_AFTER[fmt]
+    r = chat.parse(text, fmt=fmt, prompt=prompt)
+    assert (r["reasoning"], r["content"]) == (reasoning, content)
+    assert r["errors"] == [] and len(r["tool_calls"]) == text.startswith("plan")
+    data = text.encode("utf-8")
+    chunkings = [[text], list(text), [data[i:i + 1] for i in range(len(data))]]
+    chunkings += [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    for chunks in chunkings:                                          # streamed: the same split
+        events = stream(chunks, fmt, prompt)[4]
+        got = tuple("".join(e["text"] for e in events if e["type"] == k) or None for k in ("reasoning", "content"))
+        assert got == (reasoning, content), chunks
+
+
+def test_reasoning_split_needs_the_prompt_to_open_thinking():
+    # a prompt that closes thinking (</think>): everything is content, as written
+    for fmt in chat.FORMATS:
+        prompt = chat.encode([U], fmt=fmt, thinking=False)
+        assert prompt.endswith("</think>")
+        r = chat.parse("It is 10." + EOS, fmt=fmt, prompt=prompt)
+        assert (r["reasoning"], r["content"]) == (None, "It is 10.")
+
+
 def test_stream_events_are_well_formed():
     text = v31(("a", '{"x": 1}'), ("b", '{"y": [2]}'))
     _, _, calls, _, events = stream(list(text), "v32exp", "")

@@ -51,11 +51,14 @@ def test_hc_mix_pre_kernel(M, n, d, spread, iters, official, seed):
     # the kernel's own mixes (within 2e-5 of the reference's, above) and fp32 sums of n terms
     tol = 2e-5 * np.abs(X).sum(1) + n * 2.0 ** -24 * np.einsum("mn,mnd->md", pre, np.abs(X))
     assert u.shape == ref_u.shape
+    own = n * 2.0 ** -24 * np.einsum("mn,mnd->md", pre, np.abs(X))          # the reference's own u: its mixes, fp32 sums
     if official:                                                             # bf16 values: one ulp beyond that
         assert np.array_equal(got[3], quant.bf16_round(got[3]))
         assert np.all(np.abs(got[3] - ref_u) <= bf16_ulp(ref_u) * 1.0001 + tol)
+        assert np.all(np.abs(u - ref_u) <= bf16_ulp(ref_u) * 1.0001 + own)
     else:
         assert np.all(np.abs(got[3] - ref_u) <= tol)
+        assert np.all(np.abs(u - ref_u) <= own)
 
 
 @settings(max_examples=20, deadline=None)
@@ -66,17 +69,21 @@ def test_hc_post_kernel(M, n, d, spread, official, seed):
     X = quant.bf16_round((rng.standard_normal((M, n, d)) * spread).astype(np.float32))
     y = quant.bf16_round((rng.standard_normal((M, d)) * spread).astype(np.float32))
     post = (2 * rng.random((M, n))).astype(np.float32)
-    comb = mhc.sinkhorn_ref(rng.standard_normal((M, n, n)).astype(np.float32), 20, 1e-6).astype(np.float32)
+    # a mix far from symmetric (B_ij - B_ji > 0.5 for i < j): a Sinkhorn matrix of 2 streams is symmetric, so
+    # a transposed mix would pass with it
+    comb = ((0.5 * rng.random((M, n, n)) + np.triu(np.ones((n, n)), 1)) / n).astype(np.float32)
     want = mhc.hc_post_ref(X, y, post, comb, official)
     got = kernels_v4.hc_post(t(X), t(y), t(post), t(comb), official).cpu().numpy()
     exact = post.astype(np.float64)[:, :, None] * y[:, None, :] + np.einsum("mij,mid->mjd", comb.astype(np.float64), X)
     mag = np.abs(post)[:, :, None] * np.abs(y)[:, None, :] + np.einsum("mij,mid->mjd", comb.astype(np.float64), np.abs(X))
     fp32 = (n + 1) * 2.0 ** -24 * mag                   # fp32 sums of n + 1 terms (in any order, FMA or not)
     if official:                                        # one bf16 ulp of the exact value, beyond the fp32 error
-        assert np.array_equal(got, quant.bf16_round(got))
+        assert np.array_equal(got, quant.bf16_round(got)) and np.array_equal(want, quant.bf16_round(want))
         assert np.all(np.abs(got - exact) <= bf16_ulp(exact) * 1.0001 + fp32)
+        assert np.all(np.abs(want - exact) <= bf16_ulp(exact) * 1.0001 + fp32)
     else:
         assert np.all(np.abs(got - exact) <= fp32)
+        assert np.all(np.abs(want - exact) <= fp32)
 
 
 def test_the_kernels_refuse_shapes_that_do_not_agree():
@@ -192,6 +199,7 @@ def test_sparse_attention_kernel(B, T, H, c, P, n, K, official, splits, seed):
         assert np.all(np.abs(got - want) <= bf16_ulp(exact) * 1.0001 + 2.0 ** -7 * top + 2.0 ** -20 * mag)
     else:
         assert np.all(np.abs(got - exact) <= 2.0 ** -19 * mag + 1e-30)
+        assert np.all(np.abs(want - exact) <= 2.0 ** -19 * mag + 1e-30)
 
 
 def test_sparse_attention_at_v4_flash_width():
