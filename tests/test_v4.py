@@ -3,7 +3,12 @@ DeepseekV4ForCausalLM in exact float32 numerics, and each new op against float64
 
 The transformers model is drawn at random (the parameters it initialises to zero drawn too), its
 weights written in the official checkpoint's layout (REF names, one tensor per expert) by the rename
-below, which is the reverse of transformers' own conversion mapping, and read back by our loader."""
+below, which is the reverse of transformers' own conversion mapping, and read back by our loader.
+Those checkpoints are float32; test_exact_logits_match_transformers_reading_e8m0 quantizes one as the
+official checkpoint is (FP8 linears and FP4 experts with F8_E8M0 scales) and has transformers (5.x: its
+fine-grained FP8 quantizer, dequantize on the CPU, `.scale` renamed to `weight_scale_inv`) read the same
+files with its own loader, so each E8M0 scale has two independent readers (test_e8m0.py: against the raw
+bytes)."""
 import re
 
 import ml_dtypes
@@ -109,6 +114,46 @@ def test_exact_logits_match_transformers(pair):
     assert rel_err(got, want) <= 1e-4, rel_err(got, want)
 
 
+# what the official checkpoint stores quantized (spec/v4_flash.md §3): FP8 with F8_E8M0 128x128 block scales,
+# the routed experts FP4 (I8 pairs) with F8_E8M0 per 1x32
+FP8_LINEAR = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.indexer\.wq_b|\.shared_experts\.w[123])\.weight$")
+FP4_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+
+
+def test_exact_logits_match_transformers_reading_e8m0(tmp_path, monkeypatch):
+    # the checkpoint quantized as the official one is (FP8 linears, FP4 experts, E8M0 scales), read by our
+    # loader and by transformers' own (its FP8 quantizer with dequantize, on the CPU: the scales decoded by
+    # safetensors and torch's float8_e8m0fnu, the FP4 nibbles by its own table): an independent reader of
+    # every scale. Its environment check asks for accelerate, which dequantizing on the CPU never uses and
+    # requirements-test.txt does not install: answered here
+    import transformers.quantizers.quantizer_finegrained_fp8 as fp8q
+    monkeypatch.setattr(fp8q, "is_accelerate_available", lambda: True)
+    cfg = tiny_hf_config()
+    t = ref_layout(random_hf_model(cfg, 2))
+    e8 = ml_dtypes.float8_e8m0fnu
+    n8 = n4 = 0
+    for name in list(t):
+        if FP8_LINEAR.search(name) or FP4_EXPERT.search(name):
+            fp4 = bool(FP4_EXPERT.search(name))
+            w, s = (quant.fp4_quant if fp4 else quant.weight_quant)(t[name])
+            t[name], t[name[:-len("weight")] + "scale"] = (w.view(np.int8) if fp4 else w), s.astype(e8)
+            n8, n4 = n8 + (not fp4), n4 + fp4
+    assert n8 == 5 * 5 + 2 * 1 + 3 * 5 and n4 == 5 * 8 * 3           # every quantized linear of the 5 layers
+    d = cfg.to_dict() | {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                                 "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                                                 "expert_dtype": "fp4", "dequantize": True}}
+    checkpoint.write_checkpoint(tmp_path / "c", d, t)
+    hf, info = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.float32,
+                                                                  output_loading_info=True)
+    assert not any(info.values()), info                               # every tensor read, none left over
+    m = TransformerV4.from_pretrained(tmp_path / "c", numerics="exact")
+    tokens = np.random.default_rng(3).integers(0, 512, (1, 40))      # past the window, 10 CSA / 2 HCA entries
+    with torch.no_grad():
+        want = hf.eval()(torch.as_tensor(tokens), use_cache=False).logits.numpy()
+    got = m.forward(tokens, all_positions=True)
+    assert rel_err(got, want) <= 1e-4, rel_err(got, want)
+
+
 def test_causal_prefixes(pair):
     # a prefix's logits do not depend on the tokens after it
     _, m = pair
@@ -132,16 +177,54 @@ def test_sinkhorn_is_doubly_stochastic(M, n, iters, seed):
         assert np.abs(B.sum(-1) - 1).max() <= 5e-3                 # 3,600 draws of N(0, 1) logits)
 
 
-def test_sinkhorn_schedule_in_float64():
-    # the schedule written out in float64: softmax + eps, then columns, (rows, columns) x (iters - 1)
-    rng = np.random.default_rng(0)
-    B0 = rng.standard_normal((3, 4, 4)).astype(np.float32)
-    B = np.exp(B0.astype(np.float64)) / np.exp(B0.astype(np.float64)).sum(-1, keepdims=True) + 1e-6
-    B /= B.sum(-2, keepdims=True) + 1e-6
-    for _ in range(19):
-        B /= B.sum(-1, keepdims=True) + 1e-6
-        B /= B.sum(-2, keepdims=True) + 1e-6
-    assert np.abs(mhc.sinkhorn_ref(B0, 20, 1e-6) - B).max() <= 1e-6
+def sinkhorn64(B0, iters, eps=1e-6):  # the official schedule in float64: softmax + eps, columns, (rows, columns) x (iters - 1)
+    e = np.exp(B0.astype(np.float64))
+    B = e / e.sum(-1, keepdims=True) + eps
+    B = B / (B.sum(-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        B = B / (B.sum(-1, keepdims=True) + eps)
+        B = B / (B.sum(-2, keepdims=True) + eps)
+    return B
+
+
+@pytest.mark.parametrize("iters", [1, 2, 3, 4, 20])          # 20: V4-Flash's hc_sinkhorn_iters
+def test_sinkhorn_schedule_in_float64(iters):
+    # logits of spread 4 converge slowly enough that one iteration fewer or more moves the result by 50
+    # tolerances or more, at 20 iterations too (1e-4; logits of spread 1 move it by 2e-15 there)
+    B0 = (np.random.default_rng(0).standard_normal((3, 4, 4)) * 4).astype(np.float32)
+    want, tol = sinkhorn64(B0, iters), 1e-6
+    for other in (iters - 1, iters + 1):
+        if other:
+            assert np.abs(sinkhorn64(B0, other) - want).max() > 50 * tol, other     # the test can see it
+    err = float(np.abs(mhc.sinkhorn_ref(B0, iters, 1e-6) - want).max())
+    assert err <= tol, f"{iters} iterations: {err:.3g} from the float64 schedule"
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("official", [False, True])
+def test_hc_post_against_float64(n, official):
+    # X'_{t,j} = c_j y_t + sum_i B_ij X_{t,i} (row i of B: source stream i; mhc.py's docstring), written out
+    # as loops, with a mix far from symmetric (a Sinkhorn matrix of 2 streams is symmetric: B and B^T agree)
+    rng = np.random.default_rng(n)
+    M, d = 3, 40
+    X = quant.bf16_round(rng.standard_normal((M, n, d)).astype(np.float32))
+    y = quant.bf16_round(rng.standard_normal((M, d)).astype(np.float32))
+    post = (2 * rng.random((M, n))).astype(np.float32)
+    comb = (0.5 * rng.random((M, n, n)) + np.triu(np.ones((n, n)), 1)).astype(np.float32)   # B_ij - B_ji > 0.5, i < j
+    want = np.zeros((M, n, d))
+    for t in range(M):
+        for j in range(n):
+            want[t, j] = float(post[t, j]) * y[t].astype(np.float64)
+            for i in range(n):
+                want[t, j] += float(comb[t, i, j]) * X[t, i].astype(np.float64)
+    got = mhc.hc_post_ref(X, y, post, comb, official)
+    mag = np.abs(post)[:, :, None] * np.abs(y)[:, None] + np.einsum("tij,tid->tjd", comb, np.abs(X)).astype(np.float64)
+    tol = (n + 1) * 2.0 ** -24 * mag                                  # fp32 sums of n + 1 terms
+    if official:                                                      # bf16 streams: the rounding of that
+        assert np.array_equal(got, quant.bf16_round(got))
+        tol = tol + 2.0 ** -8 * np.abs(want)
+    ok = bool(np.all(np.abs(got - want) <= tol))
+    assert ok, f"{n} streams: {np.abs(got - want).max():.3g} from the float64 mix"
 
 
 @settings(max_examples=30, deadline=None)
