@@ -711,5 +711,7 @@ if __name__ == "__main__":
         print("interrupted (nothing half-written is left)", file=sys.stderr)
         sys.exit(130)
     except (OSError, ValueError, ImportError) as e:
+        if isinstance(e, ImportError) and e.name == "torch":          # --device draws with torch
+            e = "--device needs torch, which is not installed here: ./setup.sh --torch installs it"
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,4 +1,6 @@
 """Comparison helpers shared by the tests."""
+import os
+
 import numpy as np
 
 
@@ -23,3 +25,11 @@ def assert_bf16_close(got, ref, ulps=1, what=""):
 def rel_err(a, b):  # max|a - b| / max|b|, the project's relative error
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def without(tmp_path, *names):  # an environment in which these packages do not import (shadowed on PYTHONPATH)
+    for name in names:
+        (tmp_path / "shim" / name).mkdir(parents=True)
+        (tmp_path / "shim" / name / "__init__.py").write_text(
+            f"raise ModuleNotFoundError(\"No module named '{name}'\", name='{name}')\n")
+    return dict(os.environ, PYTHONPATH=str(tmp_path / "shim"))

@@ -525,3 +525,13 @@ def test_the_bundled_template_is_the_chat_modules():
     # the builder reads chat_template.jinja itself (the loader does not import chat); the same text
     import chat
     assert json.loads(checkpoint.tokenizer_files()["tokenizer_config.json"])["chat_template"] == chat.chat_template()
+
+
+def test_device_without_torch_says_what_to_install(tmp_path):
+    # --device draws with torch: without it, one line naming the set-up that installs it, nothing written
+    from helpers import without
+    r = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), str(tmp_path / "out"), "--device", "cpu"],
+                       env=without(tmp_path, "torch"), capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr.splitlines()[-1:]) == (
+        2, ["error: --device needs torch, which is not installed here: ./setup.sh --torch installs it"]), r.stderr
+    assert not (tmp_path / "out").exists()

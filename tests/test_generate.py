@@ -300,82 +300,6 @@ def test_ctrl_c_exits_130_without_traceback(tiny, where):
     assert p.returncode == 130 and "Traceback" not in rest and rest.strip().splitlines()[-1] == "interrupted", rest
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
-def test_verify_passes_on_the_tiny_checkpoint(tiny, device):
-    # on a GPU too: a golden recorded there must still match (a kernel change that moves the GPU's bits
-    # must re-record it: python generate.py --ckpt tiny-v32 --verify --device cuda --record-golden)
-    import json
-    import verify
-    r = run("--ckpt", tiny, "--verify", "--backend", "torch", "--device", device)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert f"1. torch on {device} against the NumPy reference" in r.stdout and "VERIFY PASS" in r.stdout
-    assert r.stdout.count(" | ") >= 8                                       # a row per layer
-    here = r.stdout.split("recorded on this platform: ", 1)[1].splitlines()[0]   # as the CLI runs (1 torch thread)
-    recorded = json.loads(verify.GOLDENS.read_text()).get(verify.fingerprint(tiny), {}).get(here, {})
-    if "torch/official/all" in recorded:                                   # the platform the goldens come from
-        assert "greedy tokens match, logits hash matches" in r.stdout and "(2 comparisons)" in r.stdout
-    else:                                                                  # elsewhere: said, and not a FAIL
-        assert "no golden recorded for this platform" in r.stdout and "(1 comparison)" in r.stdout
-
-
-def test_verify_goldens_are_per_platform_and_nothing_compared_is_no_pass(tiny, tmp_path):
-    import io
-    import json
-    import verify
-    goldens = tmp_path / "goldens.json"
-
-    def check(**kw):
-        out = io.StringIO()
-        verdict = verify.verify(tiny, "numpy", None, "exact", layers=1, out=out, goldens_path=goldens, **kw)
-        return verdict, out.getvalue()
-
-    verdict, text = check()                                      # numpy vs numpy would check nothing
-    assert verdict == verify.NOTHING and "VERIFY NOTHING COMPARED" in text and "PASS" not in text
-    assert "no golden recorded for this platform" in text
-    verdict, text = check(record=True)
-    assert verdict == verify.NOTHING and "recorded in" in text
-    verdict, text = check()
-    assert verdict == verify.PASS and "greedy tokens match, logits hash matches" in text
-    g = json.loads(goldens.read_text())
-    (fp, platforms), = g.items()
-    (where, entries), = platforms.items()
-    assert where == verify.platform_id("numpy", None) and set(entries) == {"numpy/exact/1"}
-    entries["numpy/exact/1"]["logits_bf16"] = "0" * 16                       # a golden this run does not reproduce
-    goldens.write_text(json.dumps(g))
-    verdict, text = check()
-    assert verdict == verify.FAIL and "logits hash DIFFERS" in text and "VERIFY FAIL" in text
-    goldens.write_text(json.dumps({fp: {"another CPU, 64 cores": entries}}))   # recorded elsewhere: not a FAIL
-    verdict, text = check()
-    assert verdict == verify.NOTHING and "no golden recorded for this platform" in text and "1 recorded" in text
-
-
-def test_verify_layers_must_be_within_the_model(tiny):
-    r = run("--ckpt", tiny, "--verify", "--verify-layers", "99")
-    assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert "--verify-layers 99: " in r.stderr and "has 4 layers, so N must be 1..4" in r.stderr and r.returncode == 2
-    for flags, what in ((["--verify-layers", "2"], "--verify-layers"), (["--record-golden"], "--record-golden")):
-        r = run("--ckpt", tiny, "--prompt", "hi", *flags)
-        assert r.returncode == 2 and f"error: {what} needs --verify" in r.stderr and "Traceback" not in r.stderr
-
-
-def test_verify_catches_the_old_indexer_rope(tiny, monkeypatch):
-    # REF-old's bug: interleaved RoPE in the indexer. The torch path with that bug must fail --verify.
-    import dataclasses
-    import io
-    import backend_torch
-    import verify
-    real = backend_torch.torch_ops
-
-    def buggy(device):
-        ops = real(device)
-        return dataclasses.replace(ops, rope_half_split=ops.rope_interleaved)
-
-    monkeypatch.setattr(backend_torch, "torch_ops", buggy)
-    out = io.StringIO()
-    assert verify.verify(tiny, "torch", "cpu", "exact", out=out) == verify.FAIL
-    assert "beyond tolerance" in out.getvalue() and "VERIFY FAIL" in out.getvalue()
-
-
 def test_benchmark_tables_render_from_the_stored_runs():
     # the stored H200 runs re-render into bench/RESULTS.md's table without a GPU
     import json
@@ -768,7 +692,6 @@ def chat_with(model, tok, lines, **kw):  # interactive() fed `lines` -> its outp
         return line() if callable(line) else line
     generate.interactive(model, tok, a, np.random.default_rng(0), 1, read=read, out=out, **kw)
     return out.getvalue()
-
 
 
 def test_chat_commands_and_empty_lines(tiny):

@@ -2,7 +2,6 @@
 against model.Transformer, the stages, the evaluation's measures, a toy run of the whole recipe, and the shipped
 model (small-v32/) against its recipe and bzip2; the data split, the retrieval sequences and the tokenizer."""
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 import chat
 import indexer
 from conftest import ROOT
+from helpers import without
 
 torch = pytest.importorskip("torch")
 import train  # noqa: E402
@@ -337,14 +337,6 @@ def test_out_cli_keeps_the_shipped_model(tmp_path):
         "train.py: error: small-v32 is not empty (it holds a checkpoint train.py trained); train.py writes only to "
         "a new or empty folder (--force replaces it anyway)"], "")
     assert tree(out) == before and [p.name for p in tmp_path.iterdir()] == ["small-v32"]
-
-
-def without(tmp_path, *names):  # an environment in which these packages do not import (shadowed on PYTHONPATH)
-    for name in names:
-        (tmp_path / "shim" / name).mkdir(parents=True)
-        (tmp_path / "shim" / name / "__init__.py").write_text(
-            f"raise ModuleNotFoundError(\"No module named '{name}'\", name='{name}')\n")
-    return dict(os.environ, PYTHONPATH=str(tmp_path / "shim"))
 
 
 def test_without_torch_help_works_and_the_rest_says_what_to_install(tmp_path):

@@ -69,7 +69,7 @@ def test_without_torch_or_matplotlib_help_works_and_the_rest_says_what_to_instal
     import subprocess
     import sys
     from conftest import ROOT
-    from test_train import without
+    from helpers import without
     env = without(tmp_path, missing)
     run = lambda *args: subprocess.run([sys.executable, str(ROOT / "views.py"), *args], cwd=tmp_path, env=env,  # noqa: E731
                                        capture_output=True, text=True, timeout=120)
