@@ -12,6 +12,8 @@ sys.path.insert(0, str(ROOT))
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FIXTURE_CKPT = FIXTURES / "official_v32_tiny"
 FIXTURE_TRACE = FIXTURES / "official_v32_tiny_trace.npz"
+FIXTURE_V4_CKPT = FIXTURES / "official_v4_tiny"
+FIXTURE_V4_TRACE = FIXTURES / "official_v4_tiny_trace.npz"
 
 try:
     import torch
@@ -72,3 +74,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def trace():
     import numpy as np
     return dict(np.load(FIXTURE_TRACE))
+
+
+@pytest.fixture(scope="session")
+def official_v4_ckpt():  # the tiny V4-Flash checkpoint in the official layout (tests/fixtures/README.md)
+    return FIXTURE_V4_CKPT
+
+
+@pytest.fixture(scope="session")
+def trace_v4():  # the official V4-Flash code's trace on it: {key: array}
+    import numpy as np
+    return dict(np.load(FIXTURE_V4_TRACE))
