@@ -49,48 +49,83 @@ class V4LayerCache:
         return self.ring.nbytes + sum(s.nbytes() for s in (self.comp, self.idx) if s is not None)
 
 
-def attention_ref(q, keys, allowed, sink, scale, official=False):  # [B,T,H,c], [B,S,c], [B,T,S], [H] -> [B,T,H,c]
-    """Every head against the one shared key set; values are the keys themselves. Official numerics
-    (the official sparse_attn kernel): fp32 scores and softmax with the max over the keys only, the sink
-    joining the denominator last, the probabilities rounded to bf16 for the weighted sum (not for the
-    denominator), the output in bf16."""
+BLOCK = 64  # not in paper: the official sparse_attn kernel walks a query's index list 64 columns at a time
+
+
+def attention_ref(q, keys, allowed, sink, scale):  # [B,T,H,c], [B,S,c], [B,T,S], [H] -> [B,T,H,c]
+    """Exact numerics: every head against the one shared key set, the sink in the denominator; values are
+    the keys themselves."""
     z = np.einsum("bthc,bsc->bhts", q, keys) * np.float32(scale)               # [B, H, T, S]
     z = np.where(allowed[:, None], z, -np.inf)
-    if not official:
-        p = attention.softmax_ref(z, sink=sink)                                 # sink in the denominator
-        return np.einsum("bhts,bsc->bthc", p, keys).astype(np.float32)
-    m = z.max(-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0)                                          # a query with no key
-    e = np.exp(z - m)                                                           # [B, H, T, S] fp32
-    # sums over the keys in float64, rounded once: the same result however many keys a chunk's rows
-    # carry (fp32 sums of different lengths associate differently)
-    denom = e.sum(-1, keepdims=True, dtype=np.float64).astype(np.float32) + np.exp(np.asarray(sink, np.float32)[:, None, None] - m)
-    o = np.einsum("bhts,bsc->bhtc", quant.bf16_round(e).astype(np.float64), keys.astype(np.float64))
-    return quant.bf16_round(o.astype(np.float32) / denom).transpose(0, 2, 1, 3)   # bf16 P, fp32 sums
+    p = attention.softmax_ref(z, sink=sink)                                     # sink in the denominator
+    return np.einsum("bhts,bsc->bthc", p, keys).astype(np.float32)
+
+
+def exp_f32(x):  # exp correctly rounded to fp32 (through float64)
+    return np.exp(np.asarray(x, np.float64)).astype(np.float32)
+
+
+def blocked_attention_ref(q, keys, idx, sink, scale):  # [B,T,H,c], [B,S,c], [B,T,K] int, [H] -> [B,T,H,c]
+    """Official numerics, as the official sparse_attn kernel rounds: query t's keys are the rows idx[b, t]
+    of `keys` (-1: none), walked BLOCK columns at a time in list order. Per block: the scores z =
+    fp32(q . κ) · scale, the running max m over the blocks so far, e = exp(z - m) in fp32, the accumulator
+    rescaled by a = exp(m_old - m) and bf16(e) · κ added (summed exactly, rounded once), the denominator
+    l = fma(l, a, Σ e); after the last block the sink's exp(sink - m) joins l; out = bf16(acc / l).
+    So a probability rounds against the max of the blocks seen so far, not the row's: the order of the
+    list and where its blocks fall are part of the result. q and the keys hold bf16 values."""
+    B, T, H, c = q.shape
+    f64 = np.float64
+    m = np.full((B, T, H), -np.inf, np.float32)
+    l = np.zeros((B, T, H), np.float32)
+    acc = np.zeros((B, T, H, c), np.float32)
+    b = np.arange(B)[:, None, None]
+    for j in range(0, idx.shape[-1], BLOCK):
+        cols = idx[..., j:j + BLOCK]                                                # [B, T, k]
+        kb = keys[b, np.maximum(cols, 0)].astype(f64)                               # [B, T, k, c]
+        z = np.einsum("bthc,btkc->bthk", q.astype(f64), kb).astype(np.float32) * np.float32(scale)
+        z = np.where(cols[:, :, None] >= 0, z, -np.inf)                             # [B, T, H, k]
+        m_new = np.maximum(m, z.max(-1))
+        ref = np.where(np.isfinite(m_new), m_new, 0)                                # no key yet: nothing to scale
+        a = exp_f32(m - ref)                                                        # [B, T, H]
+        e = exp_f32(z - ref[..., None])
+        l = (l.astype(f64) * a + e.sum(-1, dtype=f64).astype(np.float32)).astype(np.float32)   # one fma
+        pv = np.einsum("bthk,btkc->bthc", quant.bf16_round(e).astype(f64), kb)
+        acc = ((acc * a[..., None]).astype(f64) + pv).astype(np.float32)
+        m = m_new
+    l = l + exp_f32(np.asarray(sink, np.float32) - np.where(np.isfinite(m), m, 0))
+    return quant.bf16_round(acc / l[..., None])
 
 
 def sparse_attention_ref(q, KW, KC, idx, n_dense, sink, scale, official=False):
-    """The sparse kernel's contract (kernels_v4.sparse_attention): the same attention as attention_ref,
-    its keys named by position instead of by a mask. q [B, T, H, c]; KW [B, P, c] the window's keys
-    (the ring's and the chunk's own), KC [B, n, c] the compressed keys; idx [B, T, K] int: query t's
-    keys in the joined rows [KW | KC] (a window key s, a selected compressed key P + w), -1 padded, each
-    at most once; n_dense [T] int: query t also attends KC[:n_dense[t]] (HCA's complete windows; 0 for
-    CSA, whose picks are in idx, and for sliding-window layers). -> [B, T, H, c]."""
+    """The sparse kernel's contract (kernels_v4.sparse_attention): the attention with its keys named by
+    position instead of by a mask. q [B, T, H, c]; KW [B, P, c] the window's keys (the ring's and the
+    chunk's own), KC [B, n, c] the compressed keys; idx [B, T, K] int: query t's keys in the joined rows
+    [KW | KC] (a window key s, a selected compressed key P + w), -1 padded, each at most once; n_dense
+    [T] int: query t also attends KC[:n_dense[t]] (HCA's complete windows; 0 for CSA, whose picks are in
+    idx, and for sliding-window layers). -> [B, T, H, c]. Official numerics: blocked_attention_ref over
+    the columns idx, then the dense keys in ascending order (the official index layout)."""
     B, T, _, _ = q.shape
     P, n = KW.shape[1], KC.shape[1]
     keys = np.concatenate([KW, KC], 1)                                           # [B, P + n, c]
+    dense = np.arange(n)[None, :] < np.asarray(n_dense)[:, None]                 # [T, n]
+    if official:
+        cols = np.concatenate([idx, np.broadcast_to(np.where(dense, P + np.arange(n), -1), (B, T, n))], -1)
+        return blocked_attention_ref(q, keys, cols, sink, scale)
     allowed = np.zeros((B, T, P + n), bool)
     b, t, j = np.nonzero(idx >= 0)
     allowed[b, t, idx[b, t, j]] = True
-    allowed[:, :, P:] |= np.arange(n)[None, None, :] < np.asarray(n_dense)[None, :, None]
-    return attention_ref(q, keys, allowed, sink, scale, official)
+    allowed[:, :, P:] |= dense[None]
+    return attention_ref(q, keys, allowed, sink, scale)
 
 
-def window_indices_ref(T, P, W):  # -> [T, W] int: query t's window keys as rows of KW = [P ring keys | T chunk keys]
-    """Row s of KW holds position start_pos - P + s; query t (position start_pos + t) sees rows
-    t + P - W < s <= t + P (window_mask_ref), -1 where that runs before the first row."""
-    s = np.arange(T)[:, None] + P - W + 1 + np.arange(W)[None, :]
-    return np.where(s >= 0, s, -1)
+def window_indices_ref(T, start_pos, P, W):  # -> [T, cols] int: query t's window as rows of KW = [P ring keys | T chunk keys]
+    """Query t (position start_pos + t) sees positions max(0, t - W + 1) .. t (window_mask_ref), listed
+    oldest first and -1 padded at the end, in the official index layout's columns: min(T, W) for a
+    prefill from position 0, W otherwise (the decode ring's). Row s of KW holds position start_pos - P + s."""
+    cols = min(T, W) if start_pos == 0 else W
+    t = start_pos + np.arange(T)[:, None]                                      # query positions [T, 1]
+    pos = np.maximum(t - W + 1, 0) + np.arange(cols)[None, :]                  # [T, cols]
+    return np.where(pos <= t, pos - (start_pos - P), -1)
 
 
 def rms_norm_bf16(x, eps):  # [..., c] -> [..., c]: the official per-head q norm, every step in bf16
@@ -137,25 +172,26 @@ def attention_v4_forward(x, p, kind, m, start_pos, freqs, args, cache, sparse=Tr
     # the window: the ring's last W - 1 positions before this chunk, then the chunk's own keys
     P = min(start_pos, W - 1)
     pos = start_pos - P + np.arange(P + T)                                              # key positions
-    keys = np.concatenate([cache.ring[:, pos[:P] % W], kv], 1)                          # [B, P + T, c]
-    allowed = np.broadcast_to(window_mask_ref(T, start_pos, pos, W), (B, T, P + T))
+    KW = np.concatenate([cache.ring[:, pos[:P] % W], kv], 1)                            # [B, P + T, c]
     last = pos[-min(T, W):]
     cache.ring[:, last % W] = kv[:, -len(last):]                                        # the ring keeps n_win
+    idx = window_indices_ref(T, start_pos, P, W)                                        # [T, cols]
+    idx = np.broadcast_to(idx, (B,) + idx.shape)
+    K, n_dense = KW[:, :0], np.zeros(T, int)
 
     if kind != "sliding_attention":                     # compressed keys: every complete window so far
         compressor.compress_ref(x, p["compressor"], m, m == 4, start_pos, freqs, eps, cache.comp, rnd,
                                 (lambda K: kv_fp8_ref(K, R)) if official else None)
         K = cache.comp.keys                                                             # [B, n, c]
         if kind == "heavily_compressed_attention" or not sparse:
-            comp = np.broadcast_to(indexer.causal_ref(T, start_pos, K.shape[1], m), (B, T, K.shape[1]))
-        else:                                           # CSA: the indexer's top-k of them
+            n_dense = (start_pos + np.arange(T) + 1) // m                               # indexer.causal_ref
+        else:                                           # CSA: the indexer's top-k of them, best first
             compressor.compress_ref(x, p["indexer"]["compressor"], m, True, start_pos, freqs, eps, cache.idx, rnd,
                                     compressor.index_fp4_ref if official else None)
-            comp = compressor.indexer_select_ref(x, qr, p["indexer"], cache.idx.keys, start_pos, cos, sin, args,
-                                                 official)
-            cache.selected = comp                                                       # for --verify
-        keys = np.concatenate([keys, K], 1)                                             # [B, P + T + n, c]
-        allowed = np.concatenate([allowed, comp], -1)
-    o = attention_ref(q, keys, allowed, p["attn_sink"], args.softmax_scale, official)
+            picks = compressor.indexer_select_ref(x, qr, p["indexer"], cache.idx.keys, start_pos, cos, sin, args,
+                                                  official)                             # [B, T, k]
+            cache.selected = indexer.selection_mask_ref(picks, K.shape[1])             # for --verify
+            idx = np.concatenate([idx, np.where(picks >= 0, picks + P + T, -1)], -1)
+    o = sparse_attention_ref(q, KW, K, idx, n_dense, p["attn_sink"], args.softmax_scale, official)
     o = rnd(rope_tail(o, cos, -sin))                                                    # RoPE_{-t}
     return grouped_output_ref(o, p["wo_a"], p["wo_b"], args.o_groups, official)

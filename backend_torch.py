@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import compressor
-from attention_v4 import V4LayerCache
+from attention_v4 import BLOCK, V4LayerCache
 import indexer
 import quant
 from ops import Ops
@@ -811,29 +811,80 @@ def index_query(x, qr, p, cos, sin, args, official, kern=None):  # -> q^I [B, T,
 
 
 def indexer_select_v4(x, qr, p, K_idx, start_pos, cos, sin, args, official=False, *, v4k=None, kern=None):
-    """compressor.indexer_select_ref -> [B, T, n] bool; with the kernels (v4k) -> [B, T, k] the picks'
-    indices into K_idx, -1 where a query has fewer complete windows than k (the kernel's contract)."""
+    """compressor.indexer_select_ref -> [B, T, k] the picks' indices into K_idx, best first (ties: the
+    lower index), -1 where a query has fewer complete windows than k. The kernels (v4k) list them
+    ascending; only official numerics, whose attention rounds by blocks of the list, puts them in order."""
     B, T, _ = x.shape
     q, w = index_query(x, qr, p, cos, sin, args, official, kern)
     n = K_idx.shape[1]
+    k = min(args.index_topk, n)
     if v4k is not None:                                 # eq. (16) with the causal rule, then eq. (17)
         I = v4k.index_scores_v4(q, w, K_idx, start_pos, 4, official)                # -inf past the complete windows
-        k = min(args.index_topk, n)
         if k == 0:
             return torch.full((B, T, 0), -1, dtype=torch.int32, device=x.device)
         idx = v4k.topk_indices(I, k, n)                 # every key "causal" to the V3.2 kernel: the -inf decide
         vis = ((start_pos + torch.arange(T, device=x.device) + 1) // 4)[None, :, None]
-        return torch.where(idx < vis, idx, -1)
+        idx = torch.where(idx < vis, idx, -1)
+        return best_first(I, idx) if official else idx
     if not official:
         I = index_scores(q, w, K_idx, torch.ones(K_idx.shape[:2], device=x.device))
     else:
         qk = bf16_round(f64(lambda a, b: torch.einsum("btjd,bsd->btjs", a, b), q, K_idx))
         I = bf16_round(f64(lambda v: v.sum(2), bf16_round(qk.clamp_min(0) * w[..., None])))
     visible = torch.arange(n, device=x.device)[None, :] < ((start_pos + torch.arange(T, device=x.device) + 1) // 4)[:, None]
-    masked = I.masked_fill(~visible[None], -float("inf"))
-    order = torch.sort(-masked, dim=-1, stable=True).indices[..., :min(args.index_topk, n)]   # ties: lower index
-    sel = torch.zeros(B, T, n, dtype=torch.bool, device=x.device).scatter_(-1, order, True)
-    return sel & visible[None]
+    order = torch.sort(-I.masked_fill(~visible[None], -float("inf")), dim=-1, stable=True).indices[..., :k]
+    return torch.where(visible[None].expand(B, T, n).gather(-1, order), order, -1)
+
+
+def best_first(I, picks):  # I [B, T, n], picks [B, T, k] ascending (-1 last) -> the same picks by score, ties: lower index
+    s = I.gather(-1, picks.clamp_min(0).long()).masked_fill(picks < 0, -float("inf"))
+    return picks.gather(-1, torch.sort(-s, dim=-1, stable=True).indices)
+
+
+def window_indices(T, start_pos, P, W, dev):  # attention_v4.window_indices_ref
+    t = start_pos + torch.arange(T, device=dev)[:, None]
+    pos = (t - W + 1).clamp_min(0) + torch.arange(min(T, W) if start_pos == 0 else W, device=dev)[None]
+    return torch.where(pos <= t, pos - (start_pos - P), -1)
+
+
+def blocked_attention(q, keys, idx, sink, scale):  # attention_v4.blocked_attention_ref, step for step
+    B, T, H, c = q.shape
+    m = q.new_full((B, T, H), -float("inf"), dtype=torch.float32)
+    l = q.new_zeros((B, T, H), dtype=torch.float32)
+    acc = q.new_zeros((B, T, H, c), dtype=torch.float32)
+    b = torch.arange(B, device=q.device)[:, None, None]
+    for j in range(0, idx.shape[-1], BLOCK):
+        cols = idx[..., j:j + BLOCK].long()                                         # [B, T, k]
+        kb = keys[b, cols.clamp_min(0)]                                             # [B, T, k, c]
+        z = f64(lambda a, k: torch.einsum("bthc,btkc->bthk", a, k), q, kb) * np.float32(scale)
+        z = z.masked_fill(cols[:, :, None] < 0, -float("inf"))                      # [B, T, H, k]
+        m_new = torch.maximum(m, z.amax(-1))
+        ref = torch.where(torch.isfinite(m_new), m_new, 0)
+        a, e = f64(torch.exp, m - ref), f64(torch.exp, z - ref[..., None])
+        l = f64(lambda l, a, s: l * a + s, l, a, f64(lambda e: e.sum(-1), e))        # one fma
+        acc = f64(lambda acc, e, k: acc + torch.einsum("bthk,btkc->bthc", e, k), acc * a[..., None], bf16_round(e), kb)
+        m = m_new
+    l = l + f64(torch.exp, sink.float() - torch.where(torch.isfinite(m), m, 0))
+    return bf16_round(acc / l[..., None])
+
+
+def sparse_attention(q, KW, KC, idx, n_dense, sink, scale, official):  # attention_v4.sparse_attention_ref
+    B, T = q.shape[:2]
+    P, n = KW.shape[1], KC.shape[1]
+    keys = torch.cat([KW, KC], 1)
+    dense = torch.arange(n, device=q.device)[None] < n_dense[:, None]                 # [T, n]
+    if official:
+        cols = torch.where(dense, P + torch.arange(n, device=q.device), -1)[None].expand(B, T, n)
+        return blocked_attention(q, keys, torch.cat([idx, cols], -1), sink, scale)
+    allowed = torch.zeros(B, T, P + n + 1, dtype=torch.bool, device=q.device)
+    allowed = allowed.scatter_(-1, torch.where(idx >= 0, idx, P + n).long(), True)[..., :-1]
+    allowed[..., P:] |= dense[None]
+    z = f64(lambda a, b: torch.einsum("bthc,bsc->bhts", a, b), q, keys) * np.float32(scale)
+    z = z.masked_fill(~allowed[:, None], -float("inf"))
+    sink = sink[:, None, None]                                                      # attention.softmax_ref(sink=)
+    mx = torch.maximum(z.amax(-1, keepdim=True), sink)
+    e = f64(torch.exp, z - mx)
+    return torch.einsum("bhts,bsc->bthc", e / (e.sum(-1, keepdim=True) + f64(torch.exp, sink - mx)), keys)
 
 
 def query_key(x, p, cos, sin, args, official, kern=None):  # -> c^Q [B, T, d_c], q [B, T, H, c], the shared key [B, T, c]
@@ -856,8 +907,7 @@ def query_key(x, p, cos, sin, args, official, kern=None):  # -> c^Q [B, T, d_c],
 
 def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, official=False, *, v4k=None, kern=None):
     """attention_v4.attention_v4_forward, step for step in torch; with the kernels (v4k) the CSA indexer's
-    scores and picks and the attention itself run as kernels_v4's, the keys named by index (the window's
-    rows, the picks, HCA's dense prefix) instead of masked."""
+    scores and picks, the compressors' pooling and the attention itself run as kernels_v4's."""
     B, T, _ = x.shape
     W, R, eps = args.sliding_window, args.qk_rope_head_dim, args.rms_norm_eps
     dev = x.device
@@ -866,65 +916,28 @@ def attention_v4(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, offi
     qr, q, kv = query_key(x, p, cos, sin, args, official, kern)
     P = min(start_pos, W - 1)
     pos = start_pos - P + torch.arange(P + T, device=dev)
-    keys = torch.cat([cache.ring[:, pos[:P] % W], kv], 1)
-    t = start_pos + torch.arange(T, device=dev)[:, None]
-    allowed = ((pos[None] <= t) & (pos[None] > t - W))[None].expand(B, T, P + T)
+    KW = torch.cat([cache.ring[:, pos[:P] % W], kv], 1)                               # [B, P + T, c]
     last = pos[-min(T, W):]
     cache.ring[:, last % W] = kv[:, -len(last):]
+    idx = window_indices(T, start_pos, P, W, dev)[None].expand(B, T, -1)
+    KC, n_dense, n_max = KW[:, :0], torch.zeros(T, dtype=torch.long, device=dev), 0
     if kind != "sliding_attention":
         compress(x, p["compressor"], m, m == 4, start_pos, freqs, eps, cache.comp, rnd,
                  (lambda K: kv_fp8(K, R)) if official else None, v4k=v4k)
-        K = cache.comp.keys
-        n = K.shape[1]
-        dense = kind == "heavily_compressed_attention" or not sparse
-        if not dense:
+        KC = cache.comp.keys
+        if kind == "heavily_compressed_attention" or not sparse:
+            n_dense, n_max = (start_pos + torch.arange(T, device=dev) + 1) // m, (start_pos + T) // m
+        else:
             compress(x, p["indexer"]["compressor"], m, True, start_pos, freqs, eps, cache.idx, rnd,
                      index_fp4 if official else None, v4k=v4k)
             picks = indexer_select_v4(x, qr, p["indexer"], cache.idx.keys, start_pos, cos, sin, args, official, v4k=v4k,
                                       kern=kern)
-        if v4k is not None:
-            return attention_v4_kernels(q, keys, K, picks if not dense else None, m if dense else 0, start_pos, p,
-                                        args, cache, cos, sin, official, v4k, kern)
-        if dense:
-            comp = (torch.arange(n, device=dev)[None] < (t + 1) // m)[None].expand(B, T, n)
-        else:
-            comp = cache.selected = picks                                              # for --verify
-        keys = torch.cat([keys, K], 1)
-        allowed = torch.cat([allowed, comp], -1)
-    elif v4k is not None:
-        return attention_v4_kernels(q, keys, keys[:, :0], None, 0, start_pos, p, args, cache, cos, sin, official, v4k, kern)
-    z = f64(lambda a, b: torch.einsum("bthc,bsc->bhts", a, b), q, keys) * np.float32(args.softmax_scale)
-    z = z.masked_fill(~allowed[:, None], -float("inf"))
-    sink = p["attn_sink"][:, None, None]
-    if official:                                        # attention_v4.attention_ref(official=True)
-        mx = z.amax(-1, keepdim=True)
-        mx = torch.where(torch.isfinite(mx), mx, 0)
-        e = f64(torch.exp, z - mx)
-        denom = e.double().sum(-1, keepdim=True).float() + f64(torch.exp, sink - mx)
-        o = torch.einsum("bhts,bsc->bhtc", bf16_round(e).double(), keys.double()).float()
-        o = bf16_round(o / denom).transpose(1, 2)
-    else:                                               # attention.softmax_ref(sink=)
-        mx = torch.maximum(z.amax(-1, keepdim=True), sink)
-        e = f64(torch.exp, z - mx)
-        o = torch.einsum("bhts,bsc->bthc", e / (e.sum(-1, keepdim=True) + f64(torch.exp, sink - mx)), keys)
-    return v4_output(o, p, args, cos, sin, official, kern)
-
-
-def attention_v4_kernels(q, KW, KC, picks, m, start_pos, p, args, cache, cos, sin, official, v4k, kern=None):
-    """The attention of attention_v4 through kernels_v4.sparse_attention: q [B, T, H, c]; KW [B, P + T, c]
-    the window's keys; KC [B, n, c] the compressed keys; picks [B, T, k] the CSA indexer's (or None);
-    m > 0: every complete window of m tokens is attended (HCA, or dense CSA)."""
-    B, T = q.shape[:2]
-    P, dev = KW.shape[1] - T, q.device
-    s = torch.arange(T, device=dev)[:, None] + P - args.sliding_window + 1 + torch.arange(args.sliding_window, device=dev)
-    idx = torch.where(s >= 0, s, -1)[None].expand(B, T, -1)                       # attention_v4.window_indices_ref
-    if picks is not None:
-        sel = torch.zeros(B, T, KC.shape[1] + 1, dtype=torch.bool, device=dev)    # for --verify: a mask
-        cache.selected = sel.scatter_(-1, torch.where(picks >= 0, picks, KC.shape[1]).long(), True)[..., :-1]
-        idx = torch.cat([idx, torch.where(picks >= 0, picks + KW.shape[1], -1)], -1)
-    n_dense = (start_pos + torch.arange(T, device=dev) + 1) // m if m else torch.zeros(T, dtype=torch.long, device=dev)
-    o = v4k.sparse_attention(q, KW, KC, idx, n_dense, p["attn_sink"], args.softmax_scale, official,
-                             n_max=(start_pos + T) // m if m else 0)      # n_dense's last entry: no device sync
+            cache.selected = selection_mask(picks, start_pos, KC.shape[1])             # for --verify
+            idx = torch.cat([idx, torch.where(picks >= 0, picks + P + T, -1)], -1)
+    if v4k is not None:                                 # n_max: n_dense's last entry, known without a device sync
+        o = v4k.sparse_attention(q, KW, KC, idx, n_dense, p["attn_sink"], args.softmax_scale, official, n_max=n_max)
+    else:
+        o = sparse_attention(q, KW, KC, idx, n_dense, p["attn_sink"], args.softmax_scale, official)
     return v4_output(o, p, args, cos, sin, official, kern)
 
 
@@ -942,8 +955,8 @@ def attention_v4_step(x, p, kind, m, pos, freqs, args, cache, sparse=True, offic
     cos, sin = rope_angles(freqs, pos)
     qr, q, kv = query_key(x, p, cos, sin, args, official, kern)
     cache.ring.index_copy_(1, pos % W, kv)
-    s = pos - W + 1 + torch.arange(W, device=dev)                                 # positions pos - W + 1 .. pos
-    idx = torch.where(s >= 0, s % W, -1)[None, None].expand(B, 1, W)              # their ring slots (-1: before 0)
+    s = (pos - W + 1).clamp_min(0) + torch.arange(W, device=dev)                  # the window's positions, oldest first
+    idx = torch.where(s <= pos, s % W, -1)[None].expand(B, 1, W)                  # their ring slots, -1 padded at the end
     KC, n_dense, n_max = cache.ring[:, :0], torch.zeros(1, dtype=torch.long, device=dev), 0
     if kind != "sliding_attention":
         compress_step(x, p["compressor"], m, m == 4, pos, freqs, eps, cache.comp, rnd,
@@ -959,6 +972,7 @@ def attention_v4_step(x, p, kind, m, pos, freqs, args, cache, sparse=True, offic
             I = v4k.index_scores_v4(qI, wI, cache.idx.buf, 4 * n, 4, official)         # every slot scored
             last = (pos + 1) // 4 - 1                    # the last complete window: V3.2's causal bound, on the device
             picks = v4k.topk_indices(I, min(args.index_topk, n), last)                 # (-1 past the complete ones)
+            picks = best_first(I, picks) if official else picks                        # the official list's order
             idx = torch.cat([idx, torch.where(picks >= 0, picks + W, -1)], -1)
     o = v4k.sparse_attention(q, cache.ring, KC, idx, n_dense, p["attn_sink"], args.softmax_scale, official, n_max=n_max)
     return v4_output(o, p, args, cos, sin, official, kern)

@@ -124,7 +124,7 @@ def index_fp4_ref(x):  # not in paper: the official code's indexer fake quant, H
     return quant.bf16_round(quant.fp4_roundtrip(quant.bf16_round(indexer.rotate_activation_ref(x))))
 
 
-def indexer_select_ref(x, qr, p, K_idx, start_pos, cos, sin, args, official=False):  # -> [B, T, n] bool
+def indexer_select_ref(x, qr, p, K_idx, start_pos, cos, sin, args, official=False):  # -> [B, T, k] int
     """The CSA lightning indexer: x [B, T, d] the layer's normed input, qr [B, T, d_c] = c^Q, K_idx
     [B, n, c^I] every key of its compressor so far; cos, sin [T, R/2] at the query positions.
     Official numerics: q and the keys through index_fp4_ref, the head weights and the scores in bf16."""
@@ -140,7 +140,7 @@ def indexer_select_ref(x, qr, p, K_idx, start_pos, cos, sin, args, official=Fals
         xw = rnd(quant.matmul_f32(x, p["weights_proj"].dequant().T))                    # a bf16 GEMM
         w = rnd(xw * np.float32(J ** -0.5 * D ** -0.5))                                   # [B, T, J]
     I = index_scores_v4_ref(q, w, K_idx, official)                                       # eq. (16) [B, T, n]
-    return indexer.topk_select_ref(I, args.index_topk, start_pos, ratio=4)           # eq. (17), complete windows
+    return indexer.topk_order_ref(I, args.index_topk, start_pos, ratio=4)   # eq. (17): complete windows, best first
 
 
 def index_scores_v4_ref(q, w, K_idx, official=False):  # [B, T, J, D], [B, T, J], [B, n, D] -> I [B, T, n]

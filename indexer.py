@@ -74,18 +74,25 @@ def causal_ref(T, start_pos, S=None, ratio=1):  # -> [T, S] bool: key s visible 
     return np.arange(S)[None, :] < (start_pos + np.arange(T) + 1)[:, None] // ratio
 
 
-def topk_select_ref(I, K, start_pos, ratio=1):  # [B, T, S] f32, top-k, offset -> [B, T, S] bool
-    """Select min(K, S) keys per query among the causal ones (causal_ref: key s <= start_pos + t, or
-    V4's complete windows of `ratio` tokens). Ties break toward the lower key index (a stable sort),
-    so two runs always choose alike."""
+def topk_order_ref(I, K, start_pos, ratio=1):  # [B, T, S] f32, top-k, offset -> [B, T, min(K, S)] int
+    """Eq. (2)'s choice as a list, best first: min(K, S) keys per query among the causal ones (causal_ref:
+    key s <= start_pos + t, or V4's complete windows of `ratio` tokens), ties toward the lower key index
+    (a stable sort, as torch.topk on CUDA orders them), -1 where a query has fewer causal keys."""
     B, T, S = I.shape
-    causal = causal_ref(T, start_pos, S, ratio)                               # [T, S]
-    masked = np.where(causal[None], I, -np.inf)
-    k = min(K, S)
-    order = np.argsort(-masked, axis=-1, kind="stable")[..., :k]              # [B, T, k]
-    sel = np.zeros((B, T, S), bool)
-    np.put_along_axis(sel, order, True, axis=-1)
-    return sel & causal[None]                                                 # future keys stay out
+    causal = np.broadcast_to(causal_ref(T, start_pos, S, ratio)[None], (B, T, S))   # [B, T, S]
+    order = np.argsort(-np.where(causal, I, -np.inf), axis=-1, kind="stable")[..., :min(K, S)]
+    return np.where(np.take_along_axis(causal, order, -1), order, -1)         # future keys stay out
+
+
+def selection_mask_ref(picks, S):  # [B, T, k] int (-1 padded) -> [B, T, S] bool
+    sel = np.zeros(picks.shape[:2] + (S + 1,), bool)
+    np.put_along_axis(sel, np.where(picks >= 0, picks, S), True, axis=-1)
+    return sel[..., :S]
+
+
+def topk_select_ref(I, K, start_pos, ratio=1):  # [B, T, S] f32, top-k, offset -> [B, T, S] bool
+    """topk_order_ref's choice as a mask: the same keys, so two runs always choose alike."""
+    return selection_mask_ref(topk_order_ref(I, K, start_pos, ratio), I.shape[-1])
 
 
 # The DSA kernels' contracts (kernels_cuda.index_scores, topk_indices), stated with the references above

@@ -16,9 +16,10 @@ compressor.py) and the FP4 expert GEMM.
                       complete at t; the top-k is kernels_cuda.topk_indices (V3.2's, the same arithmetic)
                                                  reference: compressor.index_scores_v4_ref
     sparse_attention  every head against the keys a query names (its window's rows, the CSA picks)
-                      and HCA's complete windows, the sink in the denominator; two launches (the max,
-                      then the sums) so that official numerics round each probability against the
-                      row's final max; split over the keys for decode's few queries
+                      and HCA's complete windows, the sink in the denominator; exact numerics in two
+                      launches (the max, then the sums) split over the keys for decode's few queries;
+                      official numerics as the official kernel, 64 columns at a time in list order
+                      with a running max, one program a query and head block
                                                  reference: attention_v4.sparse_attention_ref
     fp4_gemm          the routed experts' GEMM: FP8 activations (1x128 scales) times MXFP4 weights (two
                       e2m1 codes a byte, the low nibble first; one E8M0 scale per 32), per 32-wide K
@@ -458,19 +459,38 @@ def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False, gemv=None, i
 
 # -----------------------------------------------------------------------------
 # attention_v4.sparse_attention_ref: shared-KV attention with a sink over listed and dense keys.
-# Official numerics round each probability exp(z - m) to bf16 against the row's final max m, which an
-# online softmax does not know while it runs; so two launches: the first finds each split's max, the
-# second (with the max over splits) sums exp(z - m) and bf16(exp(z - m)) · κ; torch combines the splits.
+# Exact numerics: a split softmax in two launches (each split's max, then with the max over splits the
+# sums Σ e and Σ e κ), the splits combined in torch; decode's few queries split over the keys.
+# Official numerics round each probability against the running max of the blocks of 64 columns seen so
+# far (attention_v4.blocked_attention_ref): one program walks a query's whole list in order, unsplit,
+# since a split would round its first block against its own max instead.
+
+BLOCK = 64  # attention_v4.BLOCK: the official kernel's columns a block
+
+@triton.jit
+def _query_keys(Q, KW, KC, IDX, bt, b, h, in_h, v, v1, P, NC, KSEL, H, C: tl.constexpr):
+    """The rows of [KW | KC] that columns v of query bt's list name: v < KSEL the listed row IDX[v], then
+    KC[v - KSEL] (the dense keys); -> κ [BS, c], ok [BS] (False: -1, or past v1)."""
+    cs = tl.arange(0, C)
+    listed = v < KSEL
+    row = tl.load(IDX + bt.to(tl.int64) * KSEL + v, mask=listed & (v < v1), other=-1)
+    row = tl.where(listed, row, P + v - KSEL)                                        # dense: KC[v - KSEL]
+    ok = (v < v1) & (row >= 0)
+    in_w = row < P
+    kw = tl.load(KW + (b * P + row[:, None]).to(tl.int64) * C + cs[None, :], mask=(ok & in_w)[:, None], other=0.0)
+    kc = tl.load(KC + (b * NC + row[:, None] - P).to(tl.int64) * C + cs[None, :], mask=(ok & ~in_w)[:, None],
+                 other=0.0)
+    return kw + kc, ok
+
 
 @triton.jit
 def _sink_attention_kernel(Q, KW, KC, IDX, ND, MX, L, ACC, T, H, P, NC, KSEL, CHUNK, scale,
-                           C: tl.constexpr, PASS: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    """Reference: attention_v4.sparse_attention_ref. One program per (query, BLOCK_H heads, split); the
-    split covers CHUNK of the query's virtual keys v: v < KSEL the listed row IDX[v] of [KW | KC], then
-    KC[v - KSEL] while v - KSEL < ND[t]. PASS 1 stores the split's max logit in MX [B T, H, splits];
-    PASS 2 reads the row's max from MX [B T, H] (the max over splits, made by the caller) and stores Σ e
-    and Σ p κ (e = exp(z - m), p = bf16(e) when ROUND)."""
+                           C: tl.constexpr, PASS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    """Reference: attention_v4.sparse_attention_ref (exact numerics). One program per (query, BLOCK_H
+    heads, split); the split covers CHUNK of the query's columns. PASS 1 stores the split's max logit in
+    MX [B T, H, splits]; PASS 2 reads the row's max from MX [B T, H] (the max over splits, made by the
+    caller) and stores Σ e and Σ e κ (e = exp(z - m))."""
     _await_inputs(PDL)
     bt = tl.program_id(0)
     b, t = bt // T, bt % T
@@ -479,11 +499,8 @@ def _sink_attention_kernel(Q, KW, KC, IDX, ND, MX, L, ACC, T, H, P, NC, KSEL, CH
     cs = tl.arange(0, C)
     in_h = h < H
     q = tl.load(Q + (bt * H + h[:, None]).to(tl.int64) * C + cs[None, :], mask=in_h[:, None], other=0.0)   # [BH, c]
-    if BF16:
-        q = q.to(tl.bfloat16)
-    nd = tl.load(ND + t)
     v0 = split * CHUNK
-    v1 = tl.minimum(v0 + CHUNK, KSEL + nd)
+    v1 = tl.minimum(v0 + CHUNK, KSEL + tl.load(ND + t))
     if PASS == 1:
         mx = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     else:
@@ -491,33 +508,15 @@ def _sink_attention_kernel(Q, KW, KC, IDX, ND, MX, L, ACC, T, H, P, NC, KSEL, CH
         l = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, C), tl.float32)
     for s0 in range(v0, v1, BLOCK_S):
-        v = s0 + tl.arange(0, BLOCK_S)
-        listed = v < KSEL
-        row = tl.load(IDX + bt.to(tl.int64) * KSEL + v, mask=listed & (v < v1), other=-1)
-        row = tl.where(listed, row, P + v - KSEL)                                    # dense: KC[v - KSEL]
-        ok = (v < v1) & (row >= 0)
-        in_w = row < P
-        kw = tl.load(KW + (b * P + row[:, None]).to(tl.int64) * C + cs[None, :], mask=(ok & in_w)[:, None], other=0.0)
-        kc = tl.load(KC + (b * NC + row[:, None] - P).to(tl.int64) * C + cs[None, :], mask=(ok & ~in_w)[:, None],
-                     other=0.0)
-        k = kw + kc                                                                  # κ rows [BS, c]
-        if BF16:
-            k = k.to(tl.bfloat16)
-            z = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
-        else:
-            z = tl.dot(q, tl.trans(k), input_precision="ieee")
+        k, ok = _query_keys(Q, KW, KC, IDX, bt, b, h, in_h, s0 + tl.arange(0, BLOCK_S), v1, P, NC, KSEL, H, C)
+        z = tl.dot(q, tl.trans(k), input_precision="ieee")
         z = tl.where(ok[None, :], z * scale, float("-inf"))                          # [BH, BS]
         if PASS == 1:
             mx = tl.maximum(mx, tl.max(z, 1))
         else:
             e = tl.exp(z - mx[:, None])                                              # 0 where masked
             l += tl.sum(e, 1)
-            if ROUND:
-                e = _bf16_round(e)
-            if BF16:
-                acc = tl.dot(e.to(tl.bfloat16), k, acc, out_dtype=tl.float32)
-            else:
-                acc = tl.dot(e, k, acc, input_precision="ieee")
+            acc = tl.dot(e, k, acc, input_precision="ieee")
     part = (bt * H + h) * tl.num_programs(2) + split                                 # [B T, H, splits]
     if PASS == 1:
         tl.store(MX + part, mx, mask=in_h)
@@ -526,11 +525,66 @@ def _sink_attention_kernel(Q, KW, KC, IDX, ND, MX, L, ACC, T, H, P, NC, KSEL, CH
         tl.store(ACC + part[:, None].to(tl.int64) * C + cs[None, :], acc, mask=in_h[:, None])
 
 
+@triton.jit
+def _blocked_attention_kernel(Q, KW, KC, IDX, ND, SINK, O, T, H, P, NC, KSEL, scale, C: tl.constexpr,
+                              BF16: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+                              BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    """Reference: attention_v4.blocked_attention_ref (official numerics). One program per (query, BLOCK_H
+    heads) walks the query's columns BLOCK at a time in list order, each block in BLOCK_S-column tiles
+    twice: first its max (the running max m), then e = exp(z - m), Σ e and bf16(e) κ into the
+    accumulator rescaled by exp(m_old - m); the sink after the last block; o = bf16(acc / l)."""
+    _await_inputs(PDL)
+    bt = tl.program_id(0)
+    b, t = bt // T, bt % T
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cs = tl.arange(0, C)
+    in_h = h < H
+    q = tl.load(Q + (bt * H + h[:, None]).to(tl.int64) * C + cs[None, :], mask=in_h[:, None], other=0.0)   # [BH, c]
+    if BF16:
+        q = q.to(tl.bfloat16)
+    nv = KSEL + tl.load(ND + t)
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, C), tl.float32)
+    for j0 in range(0, nv, BLOCK):
+        mb = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        for s0 in range(j0, j0 + BLOCK, BLOCK_S):                                    # the block's max
+            k, ok = _query_keys(Q, KW, KC, IDX, bt, b, h, in_h, s0 + tl.arange(0, BLOCK_S), nv, P, NC, KSEL, H, C)
+            if BF16:
+                z = tl.dot(q, tl.trans(k.to(tl.bfloat16)), out_dtype=tl.float32)
+            else:
+                z = tl.dot(q, tl.trans(k), input_precision="ieee")
+            mb = tl.maximum(mb, tl.max(tl.where(ok[None, :], z * scale, float("-inf")), 1))
+        m_new = tl.maximum(m, mb)
+        ref = tl.where(m_new > float("-inf"), m_new, 0.0)                            # no key yet: nothing to scale
+        a = tl.exp(m - ref)
+        acc = acc * a[:, None]
+        ls = tl.zeros((BLOCK_H,), tl.float32)
+        for s0 in range(j0, j0 + BLOCK, BLOCK_S):                                    # its sums, against m
+            k, ok = _query_keys(Q, KW, KC, IDX, bt, b, h, in_h, s0 + tl.arange(0, BLOCK_S), nv, P, NC, KSEL, H, C)
+            if BF16:
+                k = k.to(tl.bfloat16)
+                z = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+            else:
+                z = tl.dot(q, tl.trans(k), input_precision="ieee")
+            e = tl.exp(tl.where(ok[None, :], z * scale, float("-inf")) - ref[:, None])   # [BH, BS], 0 where masked
+            ls += tl.sum(e, 1)
+            if BF16:
+                acc = tl.dot(e.to(tl.bfloat16), k, acc, out_dtype=tl.float32)
+            else:
+                acc = tl.dot(_bf16_round(e), k, acc, input_precision="ieee")
+        l = l * a + ls
+        m = m_new
+    l += tl.exp(tl.load(SINK + h, mask=in_h, other=0.0) - tl.where(m > float("-inf"), m, 0.0))
+    o = _bf16_round(acc / l[:, None])
+    tl.store(O + (bt * H + h[:, None]).to(tl.int64) * C + cs[None, :], o, mask=in_h[:, None])
+
+
 def sparse_attention(q, KW, KC, idx, n_dense, sink, scale, official=False, splits=None, n_max=None):
     """attention_v4.sparse_attention_ref: q [B, T, H, c], KW [B, P, c], KC [B, n, c], idx [B, T, K] int
     (-1 padded), n_dense [T] int, sink [H] -> o [B, T, H, c] float32 (bf16 values when official).
-    splits: programs per (query, head block) over its keys (default: enough to fill the GPU); n_max: a
-    bound on n_dense known to the caller (else read from the device: a sync, not capturable)."""
+    splits (exact numerics): programs per (query, head block) over its keys (default: enough to fill the
+    GPU); n_max: a bound on n_dense known to the caller (else read from the device: a sync, not capturable)."""
     B, T, H, c = q.shape
     K = idx.shape[-1]
     if c & (c - 1) or KW.shape[::2] != (B, c) or KC.shape[::2] != (B, c) or idx.shape[:2] != (B, T) \
@@ -541,33 +595,34 @@ def sparse_attention(q, KW, KC, idx, n_dense, sink, scale, official=False, split
     dev = q.device
     BLOCK_H, BLOCK_S = 16, (32 if c <= 128 else 16)                               # [16, c] tiles: q, κ, acc
     hb = triton.cdiv(H, BLOCK_H)
+    args = (q.float().contiguous(), KW.float().contiguous(), KC.float().contiguous(),
+            idx.to(torch.int32).contiguous(), n_dense.to(torch.int32).contiguous())
+    if official:
+        o = torch.empty(B, T, H, c, dtype=torch.float32, device=dev)
+        bf16 = not _interpreted()                                                  # bf16 values: exact products
+        _blocked_attention_kernel[(B * T, hb)](*args, sink.float().contiguous(), o, T, H, KW.shape[1], KC.shape[1], K,
+                                               float(scale), C=c, BF16=bf16, BLOCK=BLOCK, BLOCK_H=BLOCK_H,
+                                               BLOCK_S=BLOCK_S, num_warps=8 if c > 128 else 4, **pdl())
+        return o
     n_max = (int(n_dense.max()) if T else 0) if n_max is None else n_max
     keys = K + n_max                                                              # the longest query's keys
     if splits is None:
         splits = max(1, min(triton.cdiv(keys, BLOCK_S), triton.cdiv(2 * sm_count(dev), B * T * hb)))  # 2 programs an SM
     chunk = triton.cdiv(triton.cdiv(max(keys, 1), splits), BLOCK_S) * BLOCK_S
     splits = triton.cdiv(max(keys, 1), chunk)
-    args = (q.float().contiguous(), KW.float().contiguous(), KC.float().contiguous(),
-            idx.to(torch.int32).contiguous(), n_dense.to(torch.int32).contiguous())
     mx = torch.empty(B * T, H, splits, dtype=torch.float32, device=dev)
     l = torch.empty(B * T, H, splits, dtype=torch.float32, device=dev)
     acc = torch.empty(B * T, H, splits, c, dtype=torch.float32, device=dev)
-    bf16 = bool(official) and not _interpreted()                                   # bf16 values: exact products
-    meta = dict(C=c, ROUND=bool(official), BF16=bf16, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, num_warps=8 if c > 128 else 4)
+    meta = dict(C=c, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, num_warps=8 if c > 128 else 4)
     grid = (B * T, hb, splits)
     _sink_attention_kernel[grid](*args, mx, l, acc, T, H, KW.shape[1], KC.shape[1], K, chunk, float(scale), PASS=1,
                                  **meta, **pdl())
-    m = mx.amax(-1)                                                                # [B T, H]
     sink = sink.float()
-    m = torch.where(torch.isfinite(m), m, 0.0) if official else torch.maximum(m, sink[None])
+    m = torch.maximum(mx.amax(-1), sink[None])                                     # [B T, H]
     _sink_attention_kernel[grid](*args, m.contiguous(), l, acc, T, H, KW.shape[1], KC.shape[1], K, chunk,
                                  float(scale), PASS=2, **meta, **pdl())
     o = acc.sum(2) / (l.sum(2) + torch.exp(sink[None] - m))[..., None]               # [B T, H, c]
-    return (_round(o) if official else o).reshape(B, T, H, c)
-
-
-def _round(x):  # fp32 -> its nearest bf16 values, as fp32
-    return x.to(torch.bfloat16).float()
+    return o.reshape(B, T, H, c)
 
 
 # -----------------------------------------------------------------------------

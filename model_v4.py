@@ -22,9 +22,16 @@ Numerics, set at load time, as for V3.2:
   bf16 activations and residual streams; FP8 act_quant per 128 before every FP8 linear and the FP4
   expert GEMM (weights widened to FP8, scales per 32); the KV keys' FP8 round trip per 64 on the 448
   nope dims; the indexer's Hadamard + FP4 round trip per 32 and its bf16 scores; fp32 mHC mixes,
-  Sinkhorn, compressors, router and head; the routing weight before w2; bf16 probabilities in the
-  weighted sum, the sink in the denominator). Every GEMM is a function of its own row (FP8 / FP4
-  partials exact, fp32 GEMMs summed in float64 and rounded once), so decode equals prefill bit for bit.
+  Sinkhorn, compressors, router and head; the routing weight before w2; the sparse attention as the
+  official kernel rounds it: the index list in blocks of 64 columns, bf16 probabilities against the
+  running max, the sink last: attention_v4.blocked_attention_ref). Every GEMM is a function of its own
+  row (FP8 / FP4 partials exact, fp32 GEMMs summed in float64 and rounded once), so a row's bits do
+  not depend on the batch or the chunk it runs in, but the attention's blocks do depend on the list's
+  layout: a prefill from position 0 lists min(T, n_win) window columns, every later step n_win, so
+  after a prompt shorter than the window the compressed keys fall in other blocks. Decode equals
+  prefill bit for bit in exact numerics always; in official numerics when the first chunk has at
+  least n_win tokens or no query lists more than 64 keys (the official code's decode is not its own
+  prefill either, there).
 - "exact": float32 on dequantized weights, what transformers' DeepseekV4ForCausalLM computes.
 
 Backends: the wiring below calls ops.Ops' V4 fields (hc_mix_pre, v4_attention, v4_moe, ...): the NumPy

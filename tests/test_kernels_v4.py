@@ -212,17 +212,25 @@ def test_sparse_attention_at_v4_flash_width():
     assert np.abs(got - want).max() <= 2 * bf16_ulp(np.abs(want).max())
 
 
-def test_window_indices_are_the_window_mask():
+def test_window_indices_are_the_window_mask_in_the_official_layout():
+    # the same keys as the mask, listed oldest first with the -1 padding at the end, in min(T, W) columns
+    # for a prefill from position 0 and W otherwise (the official index layout: its blocks of 64 columns
+    # decide the official rounding)
     import attention_v4
-    for T, P, W in ((1, 0, 4), (1, 3, 4), (7, 3, 4), (9, 0, 16), (3, 15, 16)):
-        start = P + 5
+    for T, start, W in ((1, 0, 4), (1, 2, 4), (1, 9, 4), (7, 3, 4), (9, 0, 16), (30, 0, 16), (3, 15, 16), (5, 40, 16)):
+        P = min(start, W - 1)
         pos = start - P + np.arange(P + T)
         mask = attention_v4.window_mask_ref(T, start, pos, W)
-        idx = attention_v4.window_indices_ref(T, P, W)
+        idx = attention_v4.window_indices_ref(T, start, P, W)
+        assert idx.shape == (T, min(T, W) if start == 0 else W)
         got = np.zeros_like(mask)
         tt, jj = np.nonzero(idx >= 0)
         got[tt, idx[tt, jj]] = True
-        assert np.array_equal(got, mask), (T, P, W)
+        assert np.array_equal(got, mask), (T, start, W)
+        n = (idx >= 0).sum(1)
+        assert (idx[np.arange(idx.shape[1])[None] >= n[:, None]] == -1).all()         # the padding last
+        for row, k in zip(idx, n):
+            assert (np.diff(pos[row[:k]]) == 1).all()                                 # oldest first
 
 
 @settings(max_examples=20, deadline=None)
@@ -316,3 +324,26 @@ def test_fp4_moe_gemm_kernel(M, E, Kt, N, Kb, kernel, fnuz, seed):
             assert np.all(np.abs(got[p] - want) <= (K // 32) * 2.0 ** -23 * mag), (p, m, e)
         else:
             np.testing.assert_array_equal(got[p], want, err_msg=f"row {p}: token {m}, expert {e}")
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2, 3])
+def test_sparse_attention_kernel_on_the_official_trace(layer):
+    # the official code's own attention inputs (tests/fixtures: q, the cached keys, its index list with the
+    # window's columns, the picks and HCA's windows) on 17 prefill queries from position 60 on (two blocks
+    # or more): the kernel walks the list in blocks of 64 as the official kernel, and its only freedom is
+    # the fp32 order of each block's sums (measured: 7 of 34816 values one bf16 step off, all in layer 1)
+    import attention_v4
+    import checkpoint
+    from conftest import FIXTURE_V4_CKPT, FIXTURE_V4_TRACE
+    assert kernels_v4.BLOCK == attention_v4.BLOCK
+    tr = np.load(FIXTURE_V4_TRACE)
+    rows = np.arange(60, 206, 9)
+    sink = np.asarray(checkpoint.Checkpoint(FIXTURE_V4_CKPT).get(f"layers.{layer}.attn.attn_sink"))
+    KC = tr[f"l{layer}.comp_kv"] if f"l{layer}.comp_kv" in tr else np.zeros((0, 128), np.float32)
+    want = tr[f"l{layer}.attn_kernel_out"][rows]
+    got = kernels_v4.sparse_attention(t(tr[f"l{layer}.q"][rows][None]), t(tr[f"l{layer}.kv"][None]), t(KC[None]),
+                                      t(tr[f"l{layer}.attn_topk_idxs"][rows][None]), torch.zeros(len(rows), dtype=torch.long),
+                                      t(sink.astype(np.float32)), 128 ** -0.5, True)[0].cpu().numpy()
+    top = np.abs(want).max(-1, keepdims=True)                                   # each (query, head)'s largest
+    assert np.all(np.abs(got - want) <= bf16_ulp(top))
+    assert (got != want).mean() <= 0.002
