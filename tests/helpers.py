@@ -1,5 +1,10 @@
-"""Comparison helpers shared by the tests."""
+"""Comparison helpers shared by the tests, and ways to run the project's scripts as a user does."""
 import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import numpy as np
 
@@ -29,7 +34,43 @@ def rel_err(a, b):  # max|a - b| / max|b|, the project's relative error
 
 def without(tmp_path, *names):  # an environment in which these packages do not import (shadowed on PYTHONPATH)
     for name in names:
-        (tmp_path / "shim" / name).mkdir(parents=True)
+        (tmp_path / "shim" / name).mkdir(parents=True, exist_ok=True)
         (tmp_path / "shim" / name / "__init__.py").write_text(
             f"raise ModuleNotFoundError(\"No module named '{name}'\", name='{name}')\n")
     return dict(os.environ, PYTHONPATH=str(tmp_path / "shim"))
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def missing_line(prefix, name, setup, script):  # what a script says, one line, when a package of its set-up is missing
+    return (f"{prefix}{name} is not installed in this Python ({sys.executable}): run {setup}, then "
+            f".venv/bin/python {script}")
+
+
+def run_without(tmp_path, names, script, *args):  # the project's `script` as a user runs it, these packages hidden
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=tmp_path,
+                          env=without(tmp_path, *names), capture_output=True, text=True, timeout=120)
+
+
+def interrupt(args, ready, stream="stderr", cwd=None, timeout=120):
+    """Run the command `args` until a line of its `stream` starts with `ready`, then send it SIGINT (Ctrl-C)
+    -> (exit status, the lines of stderr that came after). Killed once `timeout` seconds have passed (the wait
+    for `ready` then fails)."""
+    p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=cwd, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # (SIGINT as a terminal delivers it, even where the suite runs in the background: a shell starts background
+    # jobs with SIGINT ignored, and a child inherits that)
+    timer = threading.Timer(timeout, p.kill)
+    timer.start()
+    try:
+        seen = []
+        while not (seen and seen[-1].startswith(ready)):
+            seen.append(getattr(p, stream).readline())
+            assert seen[-1], f"ended (or killed after {timeout} s) before {ready!r}: {seen}"
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate()
+    finally:
+        timer.cancel()
+        p.kill()
+    return p.returncode, err.splitlines()

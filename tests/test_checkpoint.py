@@ -535,3 +535,27 @@ def test_device_without_torch_says_what_to_install(tmp_path):
     assert (r.returncode, r.stderr.splitlines()[-1:]) == (
         2, ["error: --device needs torch, which is not installed here: ./setup.sh --torch installs it"]), r.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("device, said", [
+    ("bogus", "--device bogus: expected cpu, cuda or cuda:N"),
+    ("cuda:99", "--device cuda:99: "),                                # no GPU here, or fewer than 100
+    pytest.param("cuda", "--device cuda: no GPU is visible here (use --device cpu)",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
+])
+def test_device_is_checked_before_any_work(tmp_path, device, said):
+    # they were tracebacks from torch (RuntimeError: Cannot get CUDA generator..., Expected one of cpu, cuda...)
+    for v4 in ([], ["--v4"]):
+        r = run_builder(tmp_path, "real2", "--real-layers", "2", "--device", device, *v4)
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith("error: " + said), r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("missing", ["numpy", "ml_dtypes"])
+def test_a_python_without_the_packages_names_setup_sh(tmp_path, missing):
+    # `python3 checkpoint.py ...` outside .venv was a ModuleNotFoundError traceback
+    from helpers import missing_line, run_without
+    r = run_without(tmp_path, [missing], "checkpoint.py", "out")
+    assert (r.returncode, r.stderr.splitlines()) == (2, [missing_line("error: ", missing, "./setup.sh",
+                                                                      "checkpoint.py")])
+    assert not (tmp_path / "out").exists()
