@@ -15,12 +15,19 @@
 Letters: T query tokens, S keys (here S = T, the prompt attending itself), H heads, k = index_topk.
 matplotlib draws (Agg: files only, no display); every number comes from train.py's functions. Without
 --eval, view 3 runs train.py's evaluation (minutes on a CPU; a progress bar on stderr tells the time left).
-Needs torch and matplotlib: ./setup.sh --views installs them.
+Needs torch and matplotlib: ./setup.sh --views installs them. Exit status: 0 done; 2 bad input or a package
+missing, one line; 130 Ctrl-C, one line naming the PNGs this run drew (each written whole) and those it did not.
 """
 import json
+import sys
 from pathlib import Path
 
-import numpy as np
+import progress
+
+with progress.needs_setup("views.py", "./setup.sh --views", "views: ", active=__name__ == "__main__"):
+    import numpy as np
+
+VIEWS = ("attention.png", "recall.png", "context.png", "training.png")   # what main draws, in this order
 
 
 def attention_maps(model, tokens):  # tokens [T] -> per layer (p [T, S] float64, I [T, S] float64)
@@ -73,6 +80,14 @@ def row_softmax(I, causal):  # [T, S] -> the indexer's distribution per query ov
     return e / e.sum(-1, keepdims=True)
 
 
+def save(fig, path, dpi):  # the PNG whole or not at all (Ctrl-C while it is written leaves no half a file)
+    import matplotlib.pyplot as plt
+    import checkpoint
+    fig.tight_layout()
+    checkpoint.write_whole(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    plt.close(fig)
+
+
 def plot_attention(maps, K, path):
     import matplotlib.pyplot as plt
     L = len(maps)
@@ -91,9 +106,7 @@ def plot_attention(maps, K, path):
         for ax in axes[i]:
             ax.set_xlabel("key s")
             ax.set_ylabel("query t")
-    fig.tight_layout()
-    fig.savefig(path, dpi=70)
-    plt.close(fig)
+    save(fig, path, 70)
 
 
 def plot_recall(curves, ks, K, path):
@@ -110,9 +123,7 @@ def plot_recall(curves, ks, K, path):
     ax.set_ylabel("share of the attention mass kept (recall)")
     ax.set_title("How much of the dense attention the top-k keeps")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path, 90)
 
 
 def plot_context(rows, K, window, path):  # rows: train.evaluate's (name, dense, sparse); index_topk; training window
@@ -131,9 +142,7 @@ def plot_context(rows, K, window, path):  # rows: train.evaluate's (name, dense,
     ax.set_ylabel("held-out bits per byte")
     ax.set_title("Held-out Python source: dense and sparse attention")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path, 90)
 
 
 def plot_training(log, path):  # log: train_log.json's "log" {stage: [step entries]}
@@ -151,14 +160,16 @@ def plot_training(log, path):  # log: train_log.json's "log" {stage: [step entri
         ax.set_xlabel("step (dense, warm-up, sparse)")
         ax.legend(fontsize=8)
     axes[1].set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path, 90)
+
+
+def fail(message):  # bad input: one line on stderr, exit status 2, before anything is drawn
+    print(f"views: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main(argv=None):
     import argparse
-    import sys
     ap = argparse.ArgumentParser(description="Draw the teaching views of a checkpoint train.py wrote.")
     ap.add_argument("--ckpt", required=True, help="a folder train.py wrote (config.json, weights, tokenizer.json, "
                                                   "train_log.json)")
@@ -166,53 +177,67 @@ def main(argv=None):
     ap.add_argument("--eval", help="a JSON file of train.py --evaluate's rows to plot instead of evaluating here")
     ap.add_argument("--tokens", type=int, default=160, help="the prompt's length in tokens for views 1 and 2")
     a = ap.parse_args(argv)
-    try:
+    with progress.needs_setup("views.py", "./setup.sh --views", "views: "):   # one line: what to install
         import matplotlib
         import torch  # noqa: F401
-    except ImportError as e:                       # one line, not a traceback: what to install
-        print(f"views: {e.name or 'a package'} is not installed in this Python: run ./setup.sh --views "
-              f"(torch and matplotlib)", file=sys.stderr)
-        raise SystemExit(2)
+        import tokenizers  # noqa: F401
+        import checkpoint  # noqa: F401  (ml_dtypes)
     matplotlib.use("Agg")
+    drawn, out = [], Path(a.out)
+    try:
+        return draw(a, drawn)
+    except KeyboardInterrupt:                 # one line: which PNGs in --out are this run's (each whole)
+        left = [n for n in VIEWS if n not in drawn]
+        old = [n for n in left if (out / n).is_file()]
+        said = ([f"{', '.join(drawn)} drawn"] if drawn else []) + ([f"{', '.join(left)} not drawn"] if left else [])
+        progress.interrupted(f"in {out}: " + "; ".join(said + ([f"the {', '.join(old)} there from an earlier run"]
+                                                                if old else [])))
+
+
+def draw(a, drawn):  # main's work: the checks, then the views, each name appended to `drawn` once written
     from tokenizers import Tokenizer
     import checkpoint
     import train
     ckpt, out = Path(a.ckpt), Path(a.out)
     for name in ("config.json", "tokenizer.json", "train_log.json"):
         if not (ckpt / name).is_file():
-            raise SystemExit(f"views: {ckpt / name} is missing (a folder train.py wrote has it)")
+            fail(f"{ckpt / name} is missing (a folder train.py wrote has it)")
     if out.exists() and not out.is_dir():
-        raise SystemExit(f"views: {out} exists and is not a folder")
+        fail(f"{out} exists and is not a folder")
     rows = None
     if a.eval:                                                           # checked before anything is drawn
         try:
             rows = [(str(n), float(d), float(s)) for n, d, s in json.loads(Path(a.eval).read_text())]
         except (OSError, ValueError, TypeError) as e:
-            raise SystemExit(f"views: --eval {a.eval}: not train.py --evaluate's JSON rows ({e})")
+            fail(f"--eval {a.eval}: not train.py --evaluate's JSON rows ({e})")
     try:
         model = train.TrainModel.from_checkpoint(ckpt).eval()
     except checkpoint.LoadError as e:
-        raise SystemExit(f"views: {e}")
+        fail(e)
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     K = model.args.index_topk
     if not 2 <= a.tokens <= model.args.max_seq_len:
-        raise SystemExit(f"views: --tokens {a.tokens}: between 2 and the model's max_seq_len {model.args.max_seq_len}")
+        fail(f"--tokens {a.tokens}: between 2 and the model's max_seq_len {model.args.max_seq_len}")
     out.mkdir(parents=True, exist_ok=True)
-    say = lambda msg: print(f"views: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+
+    def wrote(name):
+        drawn.append(name)
+        print(f"views: wrote {out / name}", file=sys.stderr, flush=True)
 
     maps = attention_maps(model, held_out_prompt(tok, a.tokens))
     plot_attention(maps, K, out / "attention.png")
-    say(f"wrote {out / 'attention.png'}")
+    wrote("attention.png")
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if k <= a.tokens]
     plot_recall(recall_curves(maps, ks), ks, K, out / "recall.png")
-    say(f"wrote {out / 'recall.png'}")
+    wrote("recall.png")
     if rows is None:
-        say("evaluating held-out bits per byte at each context (train.py --evaluate's measure)")
+        print("views: evaluating held-out bits per byte at each context (train.py --evaluate's measure)",
+              file=sys.stderr, flush=True)
         rows = train.evaluate(ckpt, n=0, files=None)                    # bits per byte only, no retrieval
     plot_context(rows, K, model.args.original_seq_len, out / "context.png")
-    say(f"wrote {out / 'context.png'}")
+    wrote("context.png")
     plot_training(json.loads((ckpt / "train_log.json").read_text())["log"], out / "training.png")
-    say(f"wrote {out / 'training.png'}")
+    wrote("training.png")
     return out
 
 
