@@ -132,8 +132,8 @@ def rms_norm_bf16(x, eps):  # [..., c] -> [..., c]: the official per-head q norm
     """q * rsqrt(mean(q²) + eps) on a bf16 tensor: q² rounded to bf16, the mean accumulated in fp32 and
     rounded, + eps, rsqrt and the product each rounded to bf16."""
     r = quant.bf16_round
-    ms = r(r(x * x).mean(-1, keepdims=True))
-    return r(x * r(np.float32(1) / np.sqrt(r(ms + np.float32(eps)))))
+    ms = r(r(x * x).mean(-1, keepdims=True, dtype=np.float64).astype(np.float32))
+    return r(x * r(quant.rsqrt_f32(r(ms + np.float32(eps)))))
 
 
 def kv_fp8_ref(kv, R):  # not in paper: the official code's KV fake quant, FP8 per 64 on the nope dims, in bf16
@@ -146,8 +146,11 @@ def grouped_output_ref(o, wo_a, wo_b, g, official=False):  # [B, T, H, c] -> [B,
     B, T, H, c = o.shape
     og = o.reshape(B, T, g, H // g * c)                                        # õ_{t,γ}: heads of group γ
     Wa = wo_a.dequant().reshape(g, -1, og.shape[-1])                           # W^OA_γ [g, d_g, H/g c]
+    if official:                                        # the bf16 einsum's sums, rounded once
+        z = np.einsum("btgk,gok->btgo", og.astype(np.float64), Wa.astype(np.float64)).astype(np.float32)
+        return quant.linear_ref(quant.bf16_round(z.reshape(B, T, -1)), wo_b, official)
     z = np.einsum("btgk,gok->btgo", og, Wa).reshape(B, T, -1)                  # [B, T, g d_g]
-    return quant.linear_ref(quant.bf16_round(z) if official else z, wo_b, official)
+    return quant.linear_ref(z, wo_b, official)
 
 
 def attention_v4_forward(x, p, kind, m, start_pos, freqs, args, cache, sparse=True, official=False):

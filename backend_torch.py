@@ -628,6 +628,15 @@ def f64(fn, *xs):  # fn of float64 copies, rounded to float32 (on a GPU: fn of f
     return fn(*(x.double() for x in xs)).float()
 
 
+def rsqrt(x):  # quant.rsqrt_f32 (on a GPU: fp32's rsqrt)
+    return f64(torch.rsqrt, x)
+
+
+def mean_sq(x):  # quant.mean_sq_f32: fp32 squares, their mean rounded once
+    x = x.float()
+    return f64(lambda v: v.mean(-1, keepdim=True), x * x)
+
+
 def matmul_f32(a, b):  # quant.matmul_f32: float64 sums on the CPU (quant_torch.matmul_f32), fp32 on a GPU
     return a.float() @ b.float() if a.is_cuda else quant_torch.matmul_f32(a, b)
 
@@ -642,38 +651,49 @@ def hc_mix_pre(X, fn, base, scale, args, official=False, *, v4k=None):  # mhc.hc
 def hc_mixes(X, fn, base, scale, args, official=False):  # mhc.hc_mixes_ref
     M, n, d = X.shape
     x = X.float().reshape(M, n * d)
-    r = 1 / torch.sqrt(f64(lambda v: (v * v).mean(-1, keepdim=True), x) + args.rms_norm_eps)
+    r = rsqrt(mean_sq(x) + args.rms_norm_eps)
     mu = matmul_f32(x, fn.T) * r if official else matmul_f32(x * r, fn.T)
-    pre = f64(torch.sigmoid, scale[0] * mu[:, :n] + base[:n]) + args.hc_eps
-    post = 2 * f64(torch.sigmoid, scale[1] * mu[:, n:2 * n] + base[n:2 * n])
-    return pre, post, sinkhorn((scale[2] * mu[:, 2 * n:] + base[2 * n:]).reshape(M, n, n), args.hc_sinkhorn_iters,
+    pre = f64(torch.sigmoid, fma(mu[:, :n], scale[0], base[:n])) + args.hc_eps
+    post = 2 * f64(torch.sigmoid, fma(mu[:, n:2 * n], scale[1], base[n:2 * n]))
+    return pre, post, sinkhorn(fma(mu[:, 2 * n:], scale[2], base[2 * n:]).reshape(M, n, n), args.hc_sinkhorn_iters,
                                args.hc_eps)
 
 
-def sinkhorn(B0, iters, eps):  # mhc.sinkhorn_ref
-    B = f64(lambda b: torch.softmax(b, -1), B0) + eps
-    B = B / (B.sum(-2, keepdim=True) + eps)
+def fma(a, b, c):  # mhc.fma: a * b + c rounded once
+    return f64(lambda a, b, c: a * b + c, a, b, c)
+
+
+def sinkhorn(B0, iters, eps):  # mhc.sinkhorn_ref: exp rounded once, fp32 sums in index order, fp32 divisions
+    def total(B, dim):
+        s = B.select(dim, 0)
+        for i in range(1, B.shape[dim]):
+            s = s + B.select(dim, i)
+        return s.unsqueeze(dim)
+    B = f64(torch.exp, B0 - B0.amax(-1, keepdim=True))
+    B = B / total(B, -1) + eps
+    B = B / (total(B, -2) + eps)
     for _ in range(iters - 1):
-        B = B / (B.sum(-1, keepdim=True) + eps)
-        B = B / (B.sum(-2, keepdim=True) + eps)
+        B = B / (total(B, -1) + eps)
+        B = B / (total(B, -2) + eps)
     return B
 
 
-def hc_pre(X, pre, rnd=no_round):  # mhc.hc_pre_ref
-    return rnd(f64(lambda p, x: torch.einsum("mn,mnd->md", p, x), pre, X))
+def hc_pre(X, pre, rnd=no_round):  # mhc.hc_pre_ref: fp32 products, their sum rounded once
+    return rnd(f64(lambda v: v.sum(1), pre[:, :, None] * X.float()))
 
 
 def hc_post(X, y, post, comb, official=False, *, v4k=None):  # mhc.hc_post_ref
     if v4k is not None:
         return v4k.hc_post(X, y, post, comb, official)
     rnd = bf16_round if official else no_round
-    return rnd(post[:, :, None] * y[:, None, :] + f64(lambda c, x: torch.einsum("mij,mid->mjd", c, x), comb, X))
+    mix = f64(lambda v: v.sum(1), comb[:, :, :, None] * X[:, :, None, :].float())             # B^T X [M, n, d]
+    return rnd(post[:, :, None] * y[:, None, :] + mix)
 
 
 def hc_head(X, fn, base, scale, args, official=False, *, kern=None):  # mhc.hc_head_ref
     M, n, d = X.shape
     x = X.float().reshape(M, n * d)
-    r = 1 / torch.sqrt(f64(lambda v: (v * v).mean(-1, keepdim=True), x) + args.rms_norm_eps)
+    r = rsqrt(mean_sq(x) + args.rms_norm_eps)
     mu = matmul_f32(x, fn.T) * r if official else matmul_f32(x * r, fn.T)
     pre = f64(torch.sigmoid, scale[0] * mu + base) + args.hc_eps
     return hc_pre(X, pre, partial(bf16_round, kern=kern) if official else no_round)
@@ -684,7 +704,7 @@ def v4_norm(x, w, eps, rnd=no_round, *, kern=None):  # compressor.rms_norm: x * 
     if official is not None:
         return kern.rms_norm(x, w, eps, official, recip=True)
     x = x.float()
-    y = x * (1 / torch.sqrt(f64(lambda v: (v * v).mean(-1, keepdim=True), x) + eps))
+    y = x * rsqrt(mean_sq(x) + eps)
     return rnd(y if w is None else w * y)
 
 
@@ -896,7 +916,7 @@ def query_key(x, p, cos, sin, args, official, kern=None):  # -> c^Q [B, T, d_c],
     q = lin(qr, p["wq_b"], official).reshape(B, T, H, c)
     if official:                                        # attention_v4.rms_norm_bf16: every step in bf16
         ms = bf16_round(f64(lambda v: v.mean(-1, keepdim=True), bf16_round(q * q)))
-        q = bf16_round(q * bf16_round(1 / torch.sqrt(bf16_round(ms + eps))))
+        q = bf16_round(q * bf16_round(rsqrt(bf16_round(ms + eps))))
     else:
         q = v4_norm(q, None, eps, kern=kern)
     q = rnd(rope_tail(q, cos, sin))
@@ -997,8 +1017,10 @@ def moe_v4(x, p, args, official, tokens, weight_inside=False, *, kern=None, v4k=
     route table, the sum) then runs in kernels_moe's kernels too."""
     grouped_ = official and v4k is not None and "w13" in p and p["w13"].scale is not None   # routed_v4's GEMMs
     logits = matmul_f32(x.float(), p["gate"].w.float().T)
-    act = (lambda v: torch.sqrt(torch.nn.functional.softplus(v))) if args.scoring_func == "sqrtsoftplus" else torch.sigmoid
-    s = f64(act, logits)
+    if args.scoring_func == "sqrtsoftplus":             # softplus rounded once, then sqrt (moe.gate_ref)
+        s = torch.sqrt(f64(torch.nn.functional.softplus, logits))
+    else:
+        s = f64(torch.sigmoid, logits)
     if "tid2eid" in p:
         idx = p["tid2eid"][tokens]
     elif grouped_:                                                       # the choice and weights in one launch

@@ -31,7 +31,7 @@ import rope
 
 def rms_norm(x, w, eps, rnd=quant.no_round):  # [..., c] -> [..., c]: rnd(w * x / rms(x)) in fp32 (w None: unweighted)
     x = np.asarray(x, np.float32)
-    y = x * (np.float32(1) / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(eps)))   # x * rsqrt, as both codes
+    y = x * quant.rsqrt_f32(quant.mean_sq_f32(x) + np.float32(eps))                   # x * rsqrt, as both codes
     return rnd(y if w is None else w * y)
 
 

@@ -21,24 +21,39 @@ import numpy as np
 import quant
 
 
+# fp32 as the official kernels compute it: exp and sigmoid correctly rounded, a kernel's a * b + c one fma,
+# the Sinkhorn's n-term sums added in fp32 in index order (bit for bit with the official trace)
 def sigmoid(x):
-    return 1 / (1 + np.exp(-x))
+    return (1 / (1 + np.exp(-np.asarray(x, np.float64)))).astype(np.float32)
+
+
+def fma(a, b, c):
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + c).astype(np.float32)
+
+
+def sum_f32(x, axis):  # [..., n, ...] -> [..., 1, ...]: ((x_0 + x_1) + x_2) + ... in fp32
+    x = np.moveaxis(np.asarray(x, np.float32), axis, 0)
+    s = x[0]
+    for v in x[1:]:
+        s = s + v
+    return np.expand_dims(s, axis)
 
 
 def sinkhorn_ref(B0, iters, eps):  # [..., n, n] logits -> [..., n, n], rows and columns summing to ~1
     """Softmax over each row plus eps, then alternate normalisations, columns first: t_max = iters
     column normalisations and iters - 1 row ones (the official kernel's schedule)."""
-    B = np.exp(B0 - B0.max(-1, keepdims=True))
-    B = B / B.sum(-1, keepdims=True) + np.float32(eps)                         # softmax_j + eps
-    B = B / (B.sum(-2, keepdims=True) + np.float32(eps))                        # columns
+    eps = np.float32(eps)
+    B = np.exp((B0 - B0.max(-1, keepdims=True)).astype(np.float64)).astype(np.float32)
+    B = B / sum_f32(B, -1) + eps                                                # softmax_j + eps
+    B = B / (sum_f32(B, -2) + eps)                                              # columns
     for _ in range(iters - 1):
-        B = B / (B.sum(-1, keepdims=True) + np.float32(eps))                    # rows
-        B = B / (B.sum(-2, keepdims=True) + np.float32(eps))                    # columns
+        B = B / (sum_f32(B, -1) + eps)                                          # rows
+        B = B / (sum_f32(B, -2) + eps)                                          # columns
     return B
 
 
 def mixes(x, fn, eps, official):  # x̄ [M, n d] -> μ = Φ x̄ / sqrt(mean(x̄²) + eps) [M, rows], float32
-    r = np.float32(1) / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(eps))
+    r = quant.rsqrt_f32(quant.mean_sq_f32(x) + np.float32(eps))
     if official:                                        # the official code: the GEMM first, then the scale
         return quant.matmul_f32(x, fn.T) * r
     return quant.matmul_f32(x * r, fn.T)                # transformers: RMSNorm₀, then the GEMM
@@ -48,15 +63,16 @@ def hc_mixes_ref(X, fn, base, scale, args, official=False):  # X [M, n, d], Φ [
     M, n, d = X.shape
     x = np.asarray(X, np.float32).reshape(M, n * d)                             # x̄, stream-major
     mu = mixes(x, fn, args.rms_norm_eps, official)                              # Φ RMSNorm₀(x̄), in fp32
-    pre = sigmoid(scale[0] * mu[:, :n] + base[:n]) + np.float32(args.hc_eps)     # fp32 throughout
-    post = 2 * sigmoid(scale[1] * mu[:, n:2 * n] + base[n:2 * n])
-    comb = sinkhorn_ref((scale[2] * mu[:, 2 * n:] + base[2 * n:]).reshape(M, n, n), args.hc_sinkhorn_iters,
+    pre = sigmoid(fma(mu[:, :n], scale[0], base[:n])) + np.float32(args.hc_eps)  # fp32 throughout
+    post = 2 * sigmoid(fma(mu[:, n:2 * n], scale[1], base[n:2 * n]))
+    comb = sinkhorn_ref(fma(mu[:, 2 * n:], scale[2], base[2 * n:]).reshape(M, n, n), args.hc_sinkhorn_iters,
                         args.hc_eps)
     return pre.astype(np.float32), post.astype(np.float32), comb.astype(np.float32)
 
 
-def hc_pre_ref(X, pre, rnd=quant.no_round):  # [M, n, d], [M, n] -> u [M, d] = sum_i a_i X_i (fp32, then rnd)
-    return rnd(np.einsum("mn,mnd->md", pre, X))
+def hc_pre_ref(X, pre, rnd=quant.no_round):  # [M, n, d], [M, n] -> u [M, d] = sum_i a_i X_i, then rnd
+    """As the official code: each product a_i X_i in fp32, their sum rounded once."""
+    return rnd((pre[:, :, None] * X).astype(np.float32).sum(1, dtype=np.float64).astype(np.float32))
 
 
 def hc_mix_pre_ref(X, fn, base, scale, args, official=False):  # -> pre, post [M, n], comb [M, n, n], u [M, d]
@@ -67,14 +83,16 @@ def hc_mix_pre_ref(X, fn, base, scale, args, official=False):  # -> pre, post [M
 
 
 def hc_post_ref(X, y, post, comb, official=False):  # [M, n, d], [M, d], [M, n], [M, n, n] -> X' [M, n, d]
-    """official: the streams are held in bf16 between sub-layers; the mix is fp32."""
+    """As the official code: c_j y and each B_ij X_i in fp32, the sum over i rounded once, then the two
+    added in fp32; official: the streams are held in bf16 between sub-layers."""
     rnd = quant.bf16_round if official else quant.no_round
-    return rnd(post[:, :, None] * y[:, None, :] + np.einsum("mij,mid->mjd", comb, X))        # B^T X
+    mix = (comb[:, :, :, None] * X[:, :, None, :]).astype(np.float32).sum(1, dtype=np.float64)   # B^T X [M, n, d]
+    return rnd(post[:, :, None] * y[:, None, :] + mix.astype(np.float32))
 
 
 def hc_head_ref(X, fn, base, scale, args, official=False):  # the output head's collapse: [M, n, d] -> [M, d]
     M, n, d = X.shape
     x = np.asarray(X, np.float32).reshape(M, n * d)
     mu = mixes(x, fn, args.rms_norm_eps, official)                               # [M, n]
-    pre = sigmoid(scale[0] * mu + base) + np.float32(args.hc_eps)
+    pre = sigmoid(np.float32(scale[0]) * mu + base) + np.float32(args.hc_eps)   # torch ops here: no fma
     return hc_pre_ref(X, pre.astype(np.float32), quant.bf16_round if official else quant.no_round)

@@ -22,7 +22,9 @@ Numerics, set at load time, as for V3.2:
   bf16 activations and residual streams; FP8 act_quant per 128 before every FP8 linear and the FP4
   expert GEMM (weights widened to FP8, scales per 32); the KV keys' FP8 round trip per 64 on the 448
   nope dims; the indexer's Hadamard + FP4 round trip per 32 and its bf16 scores; fp32 mHC mixes,
-  Sinkhorn, compressors, router and head; the routing weight before w2; the sparse attention as the
+  Sinkhorn, compressors, router and head, each fp32 step rounded where the official code rounds it
+  (rsqrt, exp and sigmoid once, the Sinkhorn kernel's a * b + c as one fma and its sums in index
+  order, each product of the streams' mixes before their sum); the routing weight before w2; the sparse attention as the
   official kernel rounds it: the index list in blocks of 64 columns, bf16 probabilities against the
   running max, the sink last: attention_v4.blocked_attention_ref). Every GEMM is a function of its own
   row (FP8 / FP4 partials exact, fp32 GEMMs summed in float64 and rounded once), so a row's bits do
@@ -31,7 +33,9 @@ Numerics, set at load time, as for V3.2:
   after a prompt shorter than the window the compressed keys fall in other blocks. Decode equals
   prefill bit for bit in exact numerics always; in official numerics when the first chunk has at
   least n_win tokens or no query lists more than 64 keys (the official code's decode is not its own
-  prefill either, there).
+  prefill either, there). On the CPU (NumPy and torch) every op and the whole model give the bits of
+  the official code's trace (its GPU kernels emulated exactly, the hardware's open choices fixed as
+  tests/fixtures/README.md says; tests/test_official_trace_v4.py); a GPU's fp32 sums are its own.
 - "exact": float32 on dequantized weights, what transformers' DeepseekV4ForCausalLM computes.
 
 Backends: the wiring below calls ops.Ops' V4 fields (hc_mix_pre, v4_attention, v4_moe, ...): the NumPy

@@ -38,9 +38,9 @@ def mlp_ref(x, p, official, limit=None, weight=None):  # [M, d] -> [M, d]: w2( s
 def gate_ref(x, weight, bias, args, hashed=None):  # [M, d], [E, d], [E] or None -> weights [M, K] f32, indices [M, K]
     """hashed [M, K] (V4's first layers, tid2eid of each token): the experts are given, the scores
     still weight them."""
-    logits = np.asarray(x, np.float32) @ np.asarray(weight, np.float32).T  # fp32 router (official)
+    logits = quant.matmul_f32(x, np.asarray(weight, np.float32).T)      # fp32 router (official), any batch alike
     if args.scoring_func == "sqrtsoftplus":                               # V4: sqrt(softplus(u . e))
-        s = np.sqrt(np.logaddexp(np.float32(0), logits)).astype(np.float32)
+        s = np.sqrt(np.logaddexp(0, logits.astype(np.float64)).astype(np.float32))   # softplus rounded once, sqrt
     elif args.scoring_func == "sigmoid":
         s = 1 / (1 + np.exp(-logits))                                     # eq. (15)
     elif args.scoring_func == "softmax":

@@ -167,6 +167,15 @@ def matmul_f32(a, b):  # a @ b of float32 arrays, summed in float64 and rounded 
     return (np.asarray(a, np.float64) @ np.asarray(b, np.float64)).astype(np.float32)
 
 
+def rsqrt_f32(x):  # 1 / sqrt(x) rounded once to float32 (through float64), as a correctly rounded rsqrt
+    return (1 / np.sqrt(np.asarray(x, np.float64))).astype(np.float32)
+
+
+def mean_sq_f32(x):  # mean(x²) over the last axis: fp32 squares, their mean rounded once (the same bits in any batch)
+    x = np.asarray(x, np.float32)
+    return (x * x).mean(-1, keepdims=True, dtype=np.float64).astype(np.float32)
+
+
 def linear_ref(x, W, official):  # [..., K], Weight [N, K] -> [..., N] float32
     """official: act_quant(x) then the FP8 GEMM (FP4 weights: fp4_gemm), bf16 out (every FP8 linear of
     the official code); exact: x @ dequant(W)^T in float32."""
