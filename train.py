@@ -36,6 +36,7 @@ except ImportError:                        # --help still works; main() names th
     torch = None
 
 import chat
+import progress
 from progress import Progress
 
 SPECIAL = [chat.BOS, chat.EOS, chat.USER, chat.ASSISTANT, chat.THINK, chat.END_THINK, chat.CALLS_BEGIN,
@@ -423,7 +424,7 @@ def parser():  # the command line; its defaults are the shipped model's recipe (
     ap.add_argument("--samples", type=int, default=32, help="--evaluate: retrieval sequences per distance")
     ap.add_argument("--json", help="--evaluate: also write the rows to this JSON file (views.py --eval reads it)")
     ap.add_argument("--windows", type=int, default=128, help="--evaluate: scored blocks of 64 tokens per context")
-    ap.add_argument("--device", default="cpu", help="cpu, cuda, ... (a GPU trains with TF32 matrix products)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (a GPU trains with TF32 matrix products)")
     ap.add_argument("--force", action="store_true", help="--out: replace the folder even if it is not empty (a "
                                                          "checkpoint trained earlier, files of yours: deleted)")
     return ap
@@ -440,6 +441,18 @@ def main(argv=None):
     if torch is None:
         fail("torch is not installed in this Python: run ./setup.sh --torch (its CPU build; ./setup.sh --tests "
              "installs everything)")
+    with progress.needs_setup("train.py", "./setup.sh --torch", "train.py: error: "):   # before any work
+        import checkpoint  # noqa: F401  (ml_dtypes)
+        import tokenizers  # noqa: F401  (the tokenizer's training and the evaluation)
+    try:
+        return run(ap, a)
+    except KeyboardInterrupt:                         # Ctrl-C: one line; what is written is whole or absent
+        progress.interrupted("the rows so far are printed above" + (f"; --json {a.json} is written only once all "
+                                                                     "are done" if a.json else "") if a.evaluate else
+                             f"no half-written checkpoint in {a.out}: it is written whole, at the end")
+
+
+def run(ap, a):  # main's work once the flags are parsed and the packages are here
     import checkpoint
     if a.evaluate:
         missing = [n for n in ("config.json", "tokenizer.json") if not (Path(a.evaluate) / n).is_file()]
@@ -455,12 +468,9 @@ def main(argv=None):
     if not 0 <= a.dropout < 1:
         ap.error(f"--dropout {a.dropout}: a probability below 1 expected")
     try:
-        torch.empty(0, device=a.device)
-    except (RuntimeError, ValueError) as e:
-        ap.error(f"--device {a.device}: {str(e).splitlines()[0]}")
-    try:
+        checkpoint.check_device(a.device)
         checkpoint.check_replaceable(Path(a.out), "trained", a.force)     # before any training, not after
-    except (FileExistsError, NotADirectoryError) as e:
+    except (ValueError, FileExistsError, NotADirectoryError) as e:
         fail(e)
     prior = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True   # training's GEMMs in tf32
@@ -554,7 +564,8 @@ def evaluate(ckpt, n, files, out=None, windows=128):  # -> the rows printed: the
                                                           for sparse in (False, True)))
     bar.close()
     if out:
-        Path(out).write_text(json.dumps(rows, indent=1) + "\n")
+        import checkpoint
+        checkpoint.write_whole(out, lambda tmp: tmp.write_text(json.dumps(rows, indent=1) + "\n"))
     return rows
 
 

@@ -74,3 +74,12 @@ def interrupt(args, ready, stream="stderr", cwd=None, timeout=120):
         timer.cancel()
         p.kill()
     return p.returncode, err.splitlines()
+
+
+def bad_devices():  # pytest params (--device value, the start of the one line refusing it), for check_device's users
+    import pytest
+    import torch
+    return [("bogus", "--device bogus: expected cpu, cuda or cuda:N"),
+            ("cuda:99", "--device cuda:99: "),                          # no GPU here, or fewer than 100
+            pytest.param("cuda", "--device cuda: no GPU is visible here (use --device cpu)",
+                         marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here"))]

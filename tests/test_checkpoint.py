@@ -16,6 +16,7 @@ import checkpoint
 import quant
 from checkpoint import CheckpointError
 from conftest import ROOT
+from helpers import bad_devices
 from model import Transformer
 
 
@@ -537,12 +538,7 @@ def test_device_without_torch_says_what_to_install(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("device, said", [
-    ("bogus", "--device bogus: expected cpu, cuda or cuda:N"),
-    ("cuda:99", "--device cuda:99: "),                                # no GPU here, or fewer than 100
-    pytest.param("cuda", "--device cuda: no GPU is visible here (use --device cpu)",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
-])
+@pytest.mark.parametrize("device, said", bad_devices())
 def test_device_is_checked_before_any_work(tmp_path, device, said):
     # they were tracebacks from torch (RuntimeError: Cannot get CUDA generator..., Expected one of cpu, cuda...)
     for v4 in ([], ["--v4"]):

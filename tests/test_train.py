@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 import chat
 import indexer
 from conftest import ROOT
-from helpers import without
+from helpers import bad_devices, without
 
 torch = pytest.importorskip("torch")
 import train  # noqa: E402
@@ -351,6 +351,40 @@ def test_without_torch_help_works_and_the_rest_says_what_to_install(tmp_path):
             "train.py: error: torch is not installed in this Python: run ./setup.sh --torch (its CPU build; "
             "./setup.sh --tests installs everything)"]), args
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("device, said", bad_devices())
+def test_device_is_one_line_before_any_work(tmp_path, device, said):
+    # --device cuda without CUDA was an AssertionError traceback (Torch not compiled with CUDA enabled)
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--out", "new", "--device", device], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("train.py: error: " + said) and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("missing", ["ml_dtypes", "tokenizers"])
+def test_a_python_without_the_packages_names_the_setup(tmp_path, missing):
+    from helpers import missing_line, run_without
+    for args in (["--out", "new"], ["--evaluate", ROOT / "small-v32"]):
+        r = run_without(tmp_path, [missing], "train.py", *args)
+        assert (r.returncode, r.stderr.splitlines()) == (2, [missing_line("train.py: error: ", missing,
+                                                                          "./setup.sh --torch", "train.py")]), args
+    assert not (tmp_path / "new").exists()
+
+
+def test_ctrl_c_is_one_line_and_leaves_nothing_half_written(tmp_path):
+    # --evaluate (minutes) and training: exit 130, one line saying what is there, no --json, no checkpoint
+    from helpers import interrupt
+    code, err = interrupt([sys.executable, str(ROOT / "train.py"), "--evaluate", str(ROOT / "small-v32"), "--json",
+                           "e.json"], str(ROOT / "small-v32") + ": index_topk", stream="stdout", cwd=tmp_path)
+    assert (code, err[-1:]) == (130, ["interrupted (the rows so far are printed above; --json e.json is written only "
+                                      "once all are done)"]), err
+    code, err = interrupt([sys.executable, str(ROOT / "train.py"), "--out", "new", "--steps", "100000", "1", "1",
+                           "--batch", "2", "--seq", "48", "--topk", "8", "--vocab", "400", "--files", "3"], "data: ",
+                          cwd=tmp_path)
+    assert (code, err[-1:]) == (130, ["interrupted (no half-written checkpoint in new: it is written whole, at the "
+                                      "end)"]), err
+    assert list(tmp_path.iterdir()) == [] and not any("Traceback" in line for line in err)
 
 
 def test_progress_bar_in_a_log(monkeypatch):
