@@ -20,8 +20,8 @@ From Python (the repository folder on sys.path; see complete() and stream()):
     import sys; sys.path.insert(0, "/path/to/dsa-ref")
     import generate
     from model import Transformer
-    model = Transformer.from_pretrained("tiny-v32")
-    tok = generate.load_tokenizer("tiny-v32")
+    model = Transformer.from_pretrained("/path/to/dsa-ref/tiny-v32")
+    tok = generate.load_tokenizer("/path/to/dsa-ref/tiny-v32")
     text = generate.complete(model, tok, "Once upon a time", 20, temperature=0.7, seed=1)
     reply = generate.complete(model, tok, [{"role": "user", "content": "Hi"}], 20)   # dict: content, ...
     for piece in generate.stream(model, tok, "Once upon a time", 20):
@@ -45,12 +45,15 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+import progress
 
-import chat
-import checkpoint
-from checkpoint import CheckpointError
-from model import LoadError, Transformer
+with progress.needs_setup("generate.py", active=__name__ == "__main__"):   # python3 outside .venv: one line
+    import numpy as np
+
+    import chat
+    import checkpoint
+    from checkpoint import CheckpointError
+    from model import LoadError, Transformer
 
 # what bad input raises: main prints it as one line, "error: ...", exit status 2 (--debug: the traceback)
 USER_ERRORS = (ValueError, OSError, LoadError)
@@ -231,7 +234,7 @@ def generate_steps(model, prompts, max_new_tokens, eos_id, sampling=None, reuse=
     texts = [TextRow(tok, s.stop) for s in rows] if tok is not None else None
     finished, n_out, reason = np.zeros(B, bool), np.zeros(B, int), ["length"] * B
     greedy = all(s.temperature <= 0 and s.repetition_penalty == 1 for s in rows)
-    stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
+    stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0, "decode_steps": 0, "rows": B}
     prev = reuse
     graph, use_graph = None, cuda_graph and _on_cuda(model)
     for cur in range(min(lens), total):
@@ -257,6 +260,7 @@ def generate_steps(model, prompts, max_new_tokens, eos_id, sampling=None, reuse=
         kind = "prefill" if prev == reuse else "decode"
         stats[kind + "_tokens"] += B * (cur - prev)
         stats[kind + "_s"] += time.perf_counter() - t0
+        stats["decode_steps"] += kind == "decode"
         prev = cur
         for i in np.flatnonzero(live):
             if nxt[i] == eos_id:
@@ -279,6 +283,7 @@ def generate_steps(model, prompts, max_new_tokens, eos_id, sampling=None, reuse=
     out = [tokens[i, n:n + k].tolist() for i, (n, k) in enumerate(zip(lens, n_out))]
     stats["cached"] = tokens[0, :prev].tolist() if B == 1 else None   # what the caches hold now
     stats["finish_reason"] = reason                                     # per row: "stop" (EOS, a stop string) or "length"
+    stats["new_tokens"] = n_out.tolist()                                # per row: its completion's length
     stats["text"] = [t.text for t in texts] if texts else None         # per row, cut before a stop string
     return out, stats
 
@@ -294,7 +299,8 @@ def generate(model, prompts, max_new_tokens, eos_id, sampling=None, on_token=Non
     on_token(id) and on_text(piece) see row 0's tokens and text as they come (on_text needs tok=).
     reuse > 0 (batch of one): the model's caches already hold prompts[0][:reuse], so only the rest
     is prefilled (a chunk at start_pos=reuse). On a CUDA device the decode steps replay one captured
-    CUDA graph (cuda_graph=False: plain steps). stats: the token counts and times, "finish_reason"
+    CUDA graph (cuda_graph=False: plain steps). stats: the token counts and times (the tokens fed to the
+    model: "decode_tokens" counts every row of each of the "decode_steps"), "new_tokens", "finish_reason"
     and "text" per row, and "cached" (batch of one: the token ids the caches hold now)."""
     steps = generate_steps(model, prompts, max_new_tokens, eos_id, sampling, reuse, cuda_graph, rng, tok, **options)
     while True:
@@ -435,11 +441,16 @@ def show_progress(i, n, err=sys.stderr):  # loading: one line redrawn per layer
 
 
 def report(stats, err=sys.stderr):
+    """The speeds count the tokens fed to the model: a batch's decode step feeds every row (a row past its
+    end too, a longer prompt's tokens teacher-forced); the new tokens are the completions' (EOS not counted)."""
     def rate(n, s):
         return f"{n / s:.1f} tok/s" if s > 0 else "n/a"
+    B, steps, new = stats["rows"], stats["decode_steps"], stats["new_tokens"]
+    fed = f"{steps} steps x {B} rows = " if B > 1 else ""
     print(f"\nprefill: {stats['prefill_tokens']} tokens in {stats['prefill_s']:.2f} s ({rate(stats['prefill_tokens'], stats['prefill_s'])}); "
-          f"decode: {stats['decode_tokens']} tokens in {stats['decode_s']:.2f} s ({rate(stats['decode_tokens'], stats['decode_s'])})",
-          file=err)
+          f"decode: {fed}{stats['decode_tokens']} tokens in {stats['decode_s']:.2f} s ({rate(stats['decode_tokens'], stats['decode_s'])}); "
+          f"{sum(new)} new tokens" + (f" ({B} prompts, {min(new)}{'' if min(new) == max(new) else f' to {max(new)}'} each)"
+                                      if B > 1 else ""), file=err)
 
 
 def load_tools(path):  # an OpenAI-style JSON tool list, in the shape chat.py's tool blocks read
@@ -449,7 +460,8 @@ def load_tools(path):  # an OpenAI-style JSON tool list, in the shape chat.py's 
         return None
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"--tools {p}: no such file")
+        raise (IsADirectoryError(f"--tools {p}: a folder, not a JSON file of tools") if p.is_dir() else
+               FileNotFoundError(f"--tools {p}: no such file"))
     try:
         tools = checkpoint.read_json(p)
     except CheckpointError as e:
@@ -478,24 +490,17 @@ def load_tools(path):  # an OpenAI-style JSON tool list, in the shape chat.py's 
 
 
 def resolve_device(backend, device):  # --backend and --device -> the torch device string (None for NumPy)
-    if device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise ValueError(f"--device {device}: expected cpu, cuda or cuda:N")
+    if device is not None:
+        checkpoint.check_device(device, gpus=False)                      # its form first, torch or not
     if backend == "numpy":
         if device not in (None, "cpu"):
             raise ValueError(f"--device {device} needs --backend torch (the NumPy reference runs on the CPU)")
         return device
     try:
-        import torch
+        return checkpoint.check_device(device)                           # caught here, not as a traceback later
     except ImportError:
         raise ValueError("--backend torch needs PyTorch, which is not installed here: ./setup.sh --torch installs it "
                          "(the CPU build, pinned; ./setup.sh --tests has it too)") from None
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device is None:
-        return "cuda" if gpus else "cpu"
-    if device != "cpu" and int(device.partition(":")[2] or 0) >= gpus:    # caught here, not as a traceback later
-        raise ValueError(f"--device {device}: " + (f"this host has {gpus} GPU(s), cuda:0 to cuda:{gpus - 1}" if gpus
-                                                   else "no GPU is visible here (use --device cpu)"))
-    return device
 
 
 def user_turn(tok, text, a):  # one user turn (or the raw text) -> (prompt text, token ids)
@@ -504,10 +509,14 @@ def user_turn(tok, text, a):  # one user turn (or the raw text) -> (prompt text,
     return prompt, tok.encode(prompt, add_special_tokens=False).ids
 
 
-def context_of(ckpt, max_seq_len):  # config.json read and checked (no weights) -> this run's max_seq_len
+def context_of(ckpt, max_seq_len, experts=None):  # config.json read and checked (no weights) -> this run's max_seq_len
     from config import ModelArgs, V4Args
     cfg = checkpoint.Checkpoint(ckpt).config
-    args = V4Args if cfg.get("model_type") == "deepseek_v4" else ModelArgs
+    v4 = cfg.get("model_type") == "deepseek_v4"
+    if experts is not None and not v4:
+        raise ValueError(f"--experts {experts}: an option of DeepSeek-V4 checkpoints; this one's experts are FP8 "
+                         "as stored")
+    args = V4Args if v4 else ModelArgs
     return args.from_config(cfg, where=str(Path(ckpt) / "config.json"),
                             **({"max_seq_len": max_seq_len} if max_seq_len is not None else {})).max_seq_len
 
@@ -515,7 +524,8 @@ def context_of(ckpt, max_seq_len):  # config.json read and checked (no weights) 
 def read_prompts(path):  # --input-file: prompts separated by blank lines
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--input-file {path}: no such file")
+        raise (IsADirectoryError(f"--input-file {path}: a folder, not a text file of prompts") if path.is_dir() else
+               FileNotFoundError(f"--input-file {path}: no such file"))
     try:
         texts = [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
     except UnicodeDecodeError as e:
@@ -533,7 +543,7 @@ def main(argv=None):
                "(Ctrl-C; in the chat: twice in a row at the prompt, once during a reply stops the reply); "
                "with --verify: 0 pass, 1 fail, 3 nothing compared.")
     ap.add_argument("--ckpt", required=True, help="checkpoint folder: config.json, safetensors shards + index, tokenizer.json")
-    src = ap.add_mutually_exclusive_group(required=True)
+    src = ap.add_mutually_exclusive_group()            # one of them required: checked after parsing (below)
     src.add_argument("--prompt", help="one prompt (a single user turn unless --raw)")
     src.add_argument("--input-file", help="a text file of prompts separated by blank lines, generated as one batch")
     src.add_argument("--interactive", action="store_true",
@@ -574,7 +584,8 @@ def main(argv=None):
     ap.add_argument("--verify-layers", type=int, default=None,
                     help="--verify: compare only the first N layers (for checkpoints too large for the CPU reference)")
     ap.add_argument("--record-golden", default=None, metavar="FILE",
-                    help="--verify: record this combination's golden outputs into FILE")
+                    help="--verify: record this combination's golden outputs into FILE (not the tracked goldens.json, "
+                         "which --verify only reads)")
     ap.add_argument("--max-seq-len", type=int, default=None,
                     help="context length for caches and YaRN (default: the config's max_position_embeddings)")
     ap.add_argument("--threads", type=int, default=None,
@@ -582,8 +593,12 @@ def main(argv=None):
                          "and threads that wait for each other on a busy machine made it 10x slower)")
     ap.add_argument("--debug", action="store_true", help="on an error, show the Python traceback, not one line")
     a = ap.parse_args(argv)
+    if not (a.prompt is not None or a.input_file is not None or a.interactive or a.verify or
+            a.verify_layers is not None or a.record_golden is not None):   # those two: check_flags says "needs --verify"
+        ap.error("one of the arguments --prompt --input-file --interactive --verify is required")
     try:
-        run(a)
+        with progress.needs_setup("generate.py"):       # a package imported as it is needed (tokenizers)
+            run(a)
     except KeyboardInterrupt:                             # Ctrl-C while loading, generating or at the prompt
         if a.debug:
             raise
@@ -606,9 +621,16 @@ def check_flags(a):  # what the flags alone can refuse (before any file is read)
     a.sampling = Sampling(**fields)
     if not a.verify and (a.verify_layers is not None or a.record_golden is not None):
         raise ValueError(f"{'--verify-layers' if a.verify_layers is not None else '--record-golden'} needs --verify")
-    if a.raw and (a.tools or a.thinking or a.interactive):               # each would be silently ignored
-        raise ValueError(f"--raw feeds the text as is, so {'--tools' if a.tools else '--thinking' if a.thinking else '--interactive'} "
-                         "(which needs the chat format) cannot go with it")
+    chat_only = [f for f, on in (("--tools", a.tools), ("--thinking", a.thinking), ("--interactive", a.interactive),
+                                 ("--chat-format", a.chat_format)) if on]
+    if a.raw and chat_only:                                              # each would be silently ignored
+        raise ValueError(f"--raw feeds the text as is, so {chat_only[0]} (which "
+                         f"{'chooses' if chat_only[0] == '--chat-format' else 'needs'} the chat format) cannot go with it")
+    if a.verify and a.experts is not None:                               # verify() loads the experts as stored
+        raise ValueError(f"--experts {a.experts} cannot go with --verify, which checks the experts as stored")
+    if a.record_golden is not None:                                      # before the model loads, not after
+        import verify
+        verify.check_record(a.record_golden)
 
 
 def run(a):  # main's work once the flags are parsed; bad input raises one of USER_ERRORS
@@ -641,7 +663,7 @@ def run(a):  # main's work once the flags are parsed; bad input raises one of US
     a.tool_list = load_tools(a.tools)
     tok = load_tokenizer(a.ckpt)                          # first: it checks what default_format reads
     a.chat_format = a.chat_format or chat.default_format(a.ckpt)
-    context = context_of(a.ckpt, a.max_seq_len)
+    context = context_of(a.ckpt, a.max_seq_len, a.experts)
     texts = [a.prompt] if a.prompt is not None else read_prompts(a.input_file) if a.input_file is not None else None
     turns = [user_turn(tok, t, a) for t in texts] if texts else None
     if turns:
@@ -690,6 +712,7 @@ def run(a):  # main's work once the flags are parsed; bad input raises one of US
                 print()
             report(stats)
         else:
+            print("chat: type a message; /help lists the commands, /exit or Ctrl-D quits", file=sys.stderr)
             interactive(model, tok, a, np.random.default_rng(s.seed), eos,
                         read=input if a.parallel is None else shared_input, stoppable=a.parallel is None)
     finally:

@@ -204,10 +204,9 @@ def load_goldens(path):  # -> {fingerprint: {"name": ..., "fixed": {...}, "bits"
 
 
 def save_goldens(path, goldens):  # the whole file or nothing: a reader never sees half of it
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"format": 2, "checkpoints": goldens}, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    from checkpoint import write_whole
+    write_whole(path, lambda tmp: tmp.write_text(json.dumps({"format": 2, "checkpoints": goldens}, indent=1,
+                                                            sort_keys=True) + "\n"))
 
 
 def fixed_record(greedy, rows):  # what the fixed-token check keeps of a free greedy run
@@ -277,13 +276,23 @@ def write_record(path, fp, name, here, combo, result, fixed, out):  # --record-g
           f"{result['logits_bf16']}){', the fixed-token record ' + next(iter(fixed)) if fixed else ''}", file=out)
 
 
+def check_record(path):  # --record-golden FILE: never the tracked goldens.json (ValueError, before any work)
+    p = Path(path)
+    if p.resolve() == GOLDENS.resolve() or (p.exists() and GOLDENS.exists() and p.samefile(GOLDENS)):
+        raise ValueError(f"--record-golden {path}: that is the tracked {GOLDENS.name}, which --verify only reads; "
+                         "record into another file (a maintainer merges it)")
+
+
 def verify(ckpt, backend="torch", device=None, numerics="official", layers=None, record=None, out=sys.stdout,
            goldens_path=GOLDENS):
     """Print the comparisons and a verdict; -> PASS (0), FAIL (1) or NOTHING compared (3).
-    record: the path of a goldens file to write this run's golden into, or None; goldens_path is only read."""
+    record: the path of a goldens file to write this run's golden into (never the tracked goldens.json:
+    a ValueError), or None; goldens_path is only read."""
     from checkpoint import Checkpoint
     if record is True:                                                   # the earlier flag: say where to write
         raise TypeError("verify(record=...) takes the path of the file to write, or None")
+    if record:
+        check_record(record)
     cfg = Checkpoint(ckpt).config
     layers = layer_count(cfg, ckpt, layers)
     tokens = np.random.default_rng(20261130).integers(3, min(cfg.get("vocab_size", 4), 100000), N_TOKENS)

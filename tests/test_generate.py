@@ -3,6 +3,7 @@ properties on the fixture model, and clear errors on bad input."""
 import codecs
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import time
@@ -51,6 +52,7 @@ def test_cli_interactive_reuses_the_cache(tiny):
                         "--max-new-tokens", "6", "--temperature", "0"],
                        input="hi\nand again\n/exit\n", capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
+    assert "chat: type a message; /help lists the commands, /exit or Ctrl-D quits\n" in r.stderr   # the hint
     import re
     first, second = map(int, re.findall(r"prefill: (\d+) tokens", r.stderr))
     # turn 2 renders the whole conversation (turn 1's prompt, its 6 answer tokens, EOS, the new user
@@ -633,6 +635,9 @@ def test_each_row_samples_on_its_own():
     (["--raw", "--thinking"], "--raw feeds the text as is, so --thinking"),
     (["--record-golden", "g.json"], "--record-golden needs --verify"),
     (["--tools", "none.json"], "--tools none.json: no such file"),
+    (["--tools", "."], "--tools .: a folder, not a JSON file of tools"),
+    (["--raw", "--chat-format", "v32exp"], "--raw feeds the text as is, so --chat-format (which chooses the chat format)"),
+    (["--experts", "fp8"], "--experts fp8: an option of DeepSeek-V4 checkpoints; this one's experts are FP8 as stored"),
 ])
 def test_bad_flags_are_refused_before_loading(tiny, capsys, monkeypatch, flags, message):
     def loading(*a, **k):
@@ -644,6 +649,10 @@ def test_bad_flags_are_refused_before_loading(tiny, capsys, monkeypatch, flags, 
 
 @pytest.mark.parametrize("source, message", [
     (["--input-file", "missing.txt"], "--input-file missing.txt: no such file"),
+    (["--input-file", "."], "--input-file .: a folder, not a text file of prompts"),
+    (["--verify-layers", "2"], "--verify-layers needs --verify"),               # not argparse's "one of ... is required"
+    (["--record-golden", "g.json"], "--record-golden needs --verify"),
+    (["--verify", "--experts", "fp8"], "--experts fp8 cannot go with --verify, which checks the experts as stored"),
     (["--interactive", "--max-new-tokens", "1024"], "--max-new-tokens 1024 leaves no room for a prompt in max_seq_len 1024"),
     (["--interactive", "--raw"], "--raw feeds the text as is, so --interactive"),
 ])
@@ -651,6 +660,38 @@ def test_bad_sources_are_refused_before_loading(tiny, capsys, monkeypatch, sourc
     monkeypatch.setattr(generate.Transformer, "from_pretrained", lambda *a, **k: pytest.fail("the model was loaded"))
     code, err = main_fails(capsys, "--ckpt", tiny, *source)
     assert code == 2 and len(err) == 1 and err[0].startswith("error: " + message), err
+
+
+def test_no_source_is_still_argparses_usage_error(tiny, capsys):
+    code, err = main_fails(capsys, "--ckpt", tiny)
+    assert code == 2 and err[-1].endswith(": error: one of the arguments --prompt --input-file --interactive "
+                                          "--verify is required")
+
+
+@pytest.mark.parametrize("missing", ["numpy", "ml_dtypes", "tokenizers"])
+def test_a_python_without_the_packages_names_setup_sh(tmp_path, missing):
+    # `python3 generate.py ...` outside .venv was a ModuleNotFoundError traceback
+    from helpers import missing_line, run_without
+    r = run_without(tmp_path, [missing], "generate.py", "--ckpt", ROOT / "small-v32", "--prompt", "x")
+    assert (r.returncode, r.stderr.splitlines(), r.stdout) == (2, [missing_line("error: ", missing, "./setup.sh",
+                                                                                "generate.py")], "")
+
+
+def test_the_summary_counts_what_was_fed_and_what_came_out():
+    # a batch's decode steps feed every row (a longer prompt's tokens teacher-forced, a row past its end): the
+    # summary's "decode: 138 tokens" for 3 prompts x 40 new tokens read as if 138 were generated
+    import io
+    for eos, summary in ((-1, "decode: 5 steps x 2 rows = 10 tokens in .*; 8 new tokens \\(2 prompts, 4 each\\)"),
+                         (12, "decode: 2 steps x 2 rows = 4 tokens in .*; 2 new tokens \\(2 prompts, 0 to 2 each\\)")):
+        out, stats = generate.generate(ScriptedModel([10, 11, 12, 13, 14, 15]), [[1, 2, 3], [1, 2, 3, 4, 5]], 4, eos,
+                                       temperature=0)
+        assert stats["new_tokens"] == [len(c) for c in out] == ([4, 4] if eos < 0 else [2, 0])
+        said = io.StringIO()
+        generate.report(stats, err=said)
+        assert re.fullmatch(r"\nprefill: 6 tokens in .*; " + summary + "\n", said.getvalue()), said.getvalue()
+    said = io.StringIO()
+    generate.report(generate.generate(ScriptedModel([10, 11, 12]), [[1, 2, 3]], 3, -1, temperature=0)[1], err=said)
+    assert re.fullmatch(r"\nprefill: 3 tokens in .*; decode: 2 tokens in .*; 3 new tokens\n", said.getvalue())
 
 
 def test_missing_torch_says_what_to_run(monkeypatch):

@@ -127,6 +127,21 @@ def test_record_golden_writes_its_file_and_leaves_goldens_json_alone(tiny, tmp_p
     assert entry["fixed"]["exact/all"]["greedy"] == committed["greedy"]      # the greedy tokens hold here
 
 
+def test_record_golden_refuses_the_tracked_goldens_json(tmp_path):
+    # `--record-golden goldens.json` (from the repository) wrote into the tracked file: refused in one line before
+    # the model loads, by any name of that file; every byte kept
+    before = verify.GOLDENS.read_bytes()
+    (tmp_path / "link.json").symlink_to(verify.GOLDENS)
+    for name in ("goldens.json", verify.GOLDENS, tmp_path / "link.json", tmp_path / ".." / tmp_path.name / "link.json"):
+        r = cli("--ckpt", ROOT / "small-v32", "--verify", "--record-golden", name)
+        assert (r.returncode, r.stdout, r.stderr.splitlines()) == (2, "", [
+            f"error: --record-golden {name}: that is the tracked goldens.json, which --verify only reads; record "
+            "into another file (a maintainer merges it)"]), r.stderr
+    with pytest.raises(ValueError, match="that is the tracked goldens.json"):         # the Python API too
+        verify.verify(ROOT / "small-v32", "numpy", record=verify.GOLDENS)
+    assert verify.GOLDENS.read_bytes() == before and not list(ROOT.glob("goldens.json.tmp"))
+
+
 def test_nothing_compared_is_no_pass_and_goldens_are_per_bits_key(tiny, tmp_path):
     goldens, mine = tmp_path / "goldens.json", tmp_path / "mine.json"
     verdict, text = run_verify(tiny, goldens, numerics="exact", layers=1)   # no record: nothing applies
