@@ -65,3 +65,20 @@ def test_the_readme_is_no_development_log():
     # a commit's short (7-12 hex digits) or whole (40) hash; verify's 16-digit logits hashes are output
     commit = r"(?<![\w/.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)(?:[0-9a-f]{7,12}|[0-9a-f]{40})(?![\w])"
     assert not re.search(commit, README), re.search(commit, README)
+
+
+def test_python_snippets_name_checkpoints_by_absolute_paths():
+    # the Python API section is for scripts outside the repository: a relative "tiny-v32" would not be found there
+    calls = [c for block in re.findall(r"```python\n(.*?)```", README, re.S)
+             for c in re.findall(r"(?:from_pretrained|load_tokenizer)\(\s*\"([^\"]*)\"", block)]
+    assert calls, "no checkpoint named in the Python snippets: the pattern is wrong"
+    assert all(c.startswith("/") for c in calls), calls
+
+
+def test_the_setup_table_names_what_each_script_asks_for():
+    # each script's set-up row is the one its missing-package line names (train.py asks for --torch, not --views)
+    rows = {m[0]: m[1] for m in re.findall(r"^\| `(\./setup\.sh[^`]*)` \|[^|]*\|([^|]*)\|$", README, re.M)}
+    assert len(rows) == 4, rows
+    for script, setup in (("train.py", "./setup.sh --torch"), ("views.py", "./setup.sh --views")):
+        assert setup in (ROOT / script).read_text(), script
+        assert [s for s, used in rows.items() if f"`{script}`" in used] == [setup], (script, rows)
