@@ -65,7 +65,7 @@ result asked for, and it goes back to the model as a tool message:
     >>> What is 2+2?
     [reasoning]  estas institution assemblages zones� best grieાર tum tolerant →
     .Mathematics
-    prefill: 11 tokens in 0.26 s (42.7 tok/s); decode: 11 tokens in 0.39 s (28.1 tok/s)
+    prefill: 11 tokens in 0.26 s (42.7 tok/s); decode: 11 tokens in 0.39 s (28.1 tok/s); 11 new tokens
     >>> /exit
 
     $ .venv/bin/python generate.py --ckpt DIR --interactive --tools tools.json     # a trained checkpoint

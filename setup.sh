@@ -2,7 +2,7 @@
 # Idempotent set-up in .venv, quiet when everything is there. Four levels, each including the ones above:
 #   ./setup.sh          the demo: NumPy, ml_dtypes, tokenizers (requirements.txt; about 150 MB)
 #   ./setup.sh --torch  the torch backend on the CPU: torch's CPU build, no CUDA wheels (requirements-torch.txt)
-#   ./setup.sh --views  the teaching views and the evaluation: matplotlib (requirements-views.txt)
+#   ./setup.sh --views  the teaching views: matplotlib (requirements-views.txt)
 #   ./setup.sh --tests  the test suite: Triton, transformers, hypothesis... (requirements-test.txt; about 2 GB;
 #                       torch as pip finds it: on a CUDA machine its CUDA build)
 # Every version comes from constraints.txt (the lock). Then the bundled tiny checkpoints tiny-v32/ and

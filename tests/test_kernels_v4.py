@@ -342,7 +342,7 @@ def test_sparse_attention_kernel_on_the_official_trace(layer):
     KC = tr[f"l{layer}.comp_kv"] if f"l{layer}.comp_kv" in tr else np.zeros((0, 128), np.float32)
     want = tr[f"l{layer}.attn_kernel_out"][rows]
     got = kernels_v4.sparse_attention(t(tr[f"l{layer}.q"][rows][None]), t(tr[f"l{layer}.kv"][None]), t(KC[None]),
-                                      t(tr[f"l{layer}.attn_topk_idxs"][rows][None]), torch.zeros(len(rows), dtype=torch.long),
+                                      t(tr[f"l{layer}.attn_topk_idxs"][rows][None]), t(np.zeros(len(rows), np.int64)),
                                       t(sink.astype(np.float32)), 128 ** -0.5, True)[0].cpu().numpy()
     top = np.abs(want).max(-1, keepdims=True)                                   # each (query, head)'s largest
     assert np.all(np.abs(got - want) <= bf16_ulp(top))
