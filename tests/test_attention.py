@@ -74,6 +74,7 @@ def wide_topk_ckpt(tmp_path_factory):
     return checkpoint.write_checkpoint(path, cfg, checkpoint.random_weights(cfg, 5))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("numerics", ["exact", "official"])
 def test_sparse_with_topk_at_least_context_equals_dense(wide_topk_ckpt, numerics):
     tokens = np.random.default_rng(3).integers(0, 2048, (2, 40))                # 40 <= index_topk = 64

@@ -134,6 +134,7 @@ MESSAGE = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=150)
 @given(st.lists(MESSAGE, max_size=7), st.booleans(), st.booleans())
 def test_encoder_equals_official_template(messages, gen, thinking):

@@ -295,6 +295,7 @@ def run_builder(cwd, *args):
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("marker, said", [
     (None, "small-v32 holds a checkpoint train.py trained; refusing to replace it (--force replaces it anyway)"),
     (checkpoint.LEGACY + "\n", "small-v32 holds files the builder does not write (train_log.json); refusing to "
@@ -309,6 +310,7 @@ def test_builder_cli_keeps_the_shipped_trained_model(tmp_path, marker, said):
     assert tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["small-v32"]
 
 
+@pytest.mark.slow
 def test_builder_cli_force_replaces_it(tmp_path):
     # the builder's tiny-v32 in its place, whole (its shards' bytes: test_bundled_checkpoint_bytes_are_the_same_everywhere)
     import hashlib
@@ -344,6 +346,7 @@ def test_builder_replaces_a_build_from_before_the_marker(tmp_path):
         assert (other / extra).read_text() == text
 
 
+@pytest.mark.slow
 def test_builder_cli_refuses_in_one_line(tmp_path):
     (tmp_path / "precious.txt").write_text("keep me")
     r = run_builder(tmp_path, ".", "--no-tokenizer")
@@ -461,6 +464,7 @@ def test_config_and_index_that_are_not_objects(small, name, text, message):
         checkpoint.Checkpoint(small)
 
 
+@pytest.mark.slow
 def test_bundled_checkpoint_bytes_are_the_same_everywhere(tmp_path):
     # tiny-v32's bytes are defined by float64 draws and exactly rounded steps only (quant.round_once for
     # bf16), so any CPU and any NumPy / ml_dtypes in the allowed range writes these very bytes; the
@@ -473,6 +477,7 @@ def test_bundled_checkpoint_bytes_are_the_same_everywhere(tmp_path):
                       "model-00002-of-00002.safetensors": "4a78d93080839e73189b62d0"}
 
 
+@pytest.mark.slow
 def test_bundled_v4_checkpoint_bytes_are_the_same_everywhere(tmp_path):
     # tiny-v4 likewise: float64 draws, then power-of-two scalings and single roundings (bf16 by
     # quant.round_once, FP8 and FP4 by ml_dtypes' casts, float32 by IEEE); its goldens are keyed by these bytes
@@ -493,6 +498,7 @@ def test_random_weights_report_progress_per_layer():
     assert a.keys() == b.keys() and all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in a)
 
 
+@pytest.mark.slow
 def test_real_width_v4_layers_follow_v4_flash(tmp_path, monkeypatch, capsys):
     # checkpoint.py --v4 --real-layers N: V4-Flash's schedule (SWA, SWA, then CSA and HCA alternating, hash
     # routing in the first 3) at its dimensions; here the dimensions are shrunk so that CI draws them (the
@@ -538,6 +544,7 @@ def test_device_without_torch_says_what_to_install(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device, said", bad_devices())
 def test_device_is_checked_before_any_work(tmp_path, device, said):
     # they were tracebacks from torch (RuntimeError: Cannot get CUDA generator..., Expected one of cpu, cuda...)

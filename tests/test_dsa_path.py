@@ -22,6 +22,8 @@ from conftest import HAS_CUDA
 from helpers import rel_err
 from model import Transformer
 
+pytestmark = pytest.mark.slow      # the model through the interpreted kernels: not in the fast loop (-m "not slow")
+
 DEV = "cuda" if HAS_CUDA else "cpu"
 
 

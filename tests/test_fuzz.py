@@ -5,6 +5,8 @@ import pytest
 
 import fuzz
 
+pytestmark = pytest.mark.slow      # 2,500 mutations a target: not in the fast loop (-m "not slow")
+
 
 @pytest.mark.parametrize("name", list(fuzz.TARGETS))
 def test_target_holds_on_seeds_and_mutations(name):

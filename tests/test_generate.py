@@ -27,6 +27,7 @@ def run(*args):
                           text=True, timeout=300, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_cli_generates_and_reports_speed(tiny):
     r = run("--ckpt", tiny, "--prompt", "Hello, who are you?", "--max-new-tokens", 24, "--temperature", 0)
     assert r.returncode == 0, r.stderr
@@ -39,6 +40,7 @@ def test_cli_generates_and_reports_speed(tiny):
     assert again.stdout == r.stdout                                     # greedy is deterministic
 
 
+@pytest.mark.slow
 def test_cli_batch_file_and_sampling(tiny, tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_text("First prompt, short.\n\nA second prompt that is a good deal longer than the first one.\n")
@@ -47,6 +49,7 @@ def test_cli_batch_file_and_sampling(tiny, tmp_path):
     assert r.stdout.count("Prompt: ") == 2 and r.stdout.count("Completion: ") == 2
 
 
+@pytest.mark.slow
 def test_cli_interactive_reuses_the_cache(tiny):
     r = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(tiny), "--interactive",
                         "--max-new-tokens", "6", "--temperature", "0"],
@@ -60,6 +63,7 @@ def test_cli_interactive_reuses_the_cache(tiny):
     assert second < first + 6
 
 
+@pytest.mark.slow
 def test_cli_errors_are_clear(tiny, tmp_path):
     r = run("--ckpt", tmp_path / "missing", "--prompt", "x")
     assert r.returncode != 0 and "no such folder" in r.stderr
@@ -150,6 +154,7 @@ def test_interactive_tool_round_trip(tiny):
     assert second_turn_start > 100
 
 
+@pytest.mark.slow
 def test_cli_thinking_tools_and_formats(tiny, tmp_path):
     tools = tmp_path / "tools.json"
     tools.write_text('[{"type": "function", "function": {"name": "get_time", "parameters": {}}}]')
@@ -192,6 +197,7 @@ def test_cli_bad_flags(tiny, capsys, flags, message):
     assert code == 2 and len(err) == 1 and err[0].startswith("error: " + message), err
 
 
+@pytest.mark.slow
 def test_cli_bad_input_is_one_line_without_traceback(tiny):
     r = run("--ckpt", tiny, "--prompt", "x", "--temperature", "nan")
     assert r.returncode == 2 and r.stdout == ""
@@ -280,6 +286,7 @@ def test_ctrl_c_while_loading_exits_130(tiny, capsys, monkeypatch):
     assert code == 130 and err[-1] == "interrupted"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["generating", "at the chat prompt"])
 def test_ctrl_c_exits_130_without_traceback(tiny, where):
     import signal
@@ -352,6 +359,7 @@ def test_v4_cost_curve_renders_from_the_stored_run():
     assert (ROOT / "bench" / "v4_h200_2026-12-02.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_v4_kernels_benchmark_script_runs(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_v4_kernels.py"), "--smoke", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -363,6 +371,7 @@ def test_v4_kernels_benchmark_script_runs(tmp_path):
     assert (tmp_path / "v4_kernels.json").is_file()
 
 
+@pytest.mark.slow
 def test_dsa_benchmark_script_runs(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_dsa.py"), "--smoke", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -405,6 +414,7 @@ def sparse_mla_fwd_interface(q, kv, indices, q_start_index_s, kv_stride, sm_scal
 }
 
 
+@pytest.mark.slow
 def test_dsa_benchmark_runs_tilelang_beside_ours(tmp_path):
     # --tilelang DIR: TileLang's example modules imported from DIR (here stand-ins in torch with their interfaces)
     # and run on the same inputs in their conventions; the rows say whether the two agree
@@ -436,6 +446,7 @@ def test_dsa_benchmark_runs_tilelang_beside_ours(tmp_path):
                                                                         "mla-decode, mla-prefill)"), r.stderr
 
 
+@pytest.mark.slow
 def test_threads_flag(tiny):
     # torch on the CPU runs one intra-op thread unless told (a decode step's ops are too small to split);
     # the flag is checked, and refused where it means nothing
@@ -458,6 +469,7 @@ def tiny_v4(tmp_path_factory):
     return checkpoint.build_tiny(tmp_path_factory.mktemp("tiny") / "tiny-v4", v4=True)
 
 
+@pytest.mark.slow
 def test_cli_runs_v4(tiny_v4, tmp_path):
     # DeepSeek-V4-Flash through the same command: dsml4 by default (no chat template), official numerics,
     # a batch, and an interactive chat (V4's caches cannot rewind: a turn whose prompt departs from the
@@ -483,6 +495,7 @@ def test_cli_runs_v4(tiny_v4, tmp_path):
     assert "VERIFY PASS" in v.stdout and "logits rel. error" in v.stdout, v.stdout + v.stderr
 
 
+@pytest.mark.slow
 def test_v4_interactive_never_rewinds(tiny_v4):
     # V4's caches cannot rewind: a turn continues at the cached length or starts over at 0, never between
     # (dsml4 with thinking drops the earlier reasoning from the history, so turn 2 departs from the cache)
@@ -801,6 +814,7 @@ def test_a_stopped_reply_leaves_the_cache_bookkeeping_right(tiny, k):
     assert first == 0 and second > 0 and third == 0                  # turn 2 continued turn 1; turn 3 started over
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [3])                                  # in the decode
 def test_v4_chat_goes_on_after_a_stopped_reply(tiny_v4, k):
     # V4's caches cannot rewind: after a stopped reply the next turn must start from what the caches hold
@@ -867,6 +881,7 @@ class Terminal:
         os.close(self.fd)
 
 
+@pytest.mark.slow
 def test_chat_ctrl_c_on_a_terminal(tiny):
     # Ctrl-C during a reply stops it and the chat goes on without that exchange: the next reply is the
     # one a chat that never had it gives; Ctrl-C at the prompt asks, a second in a row quits (130)
@@ -925,6 +940,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_python_api_from_another_folder(tiny, tmp_path):
     script = tmp_path / "use_it.py"
     script.write_text(API_SCRIPT)

@@ -22,6 +22,8 @@ import quant
 from bounds import loads_and_stores_in_bounds  # noqa: F401  (autouse: no address outside a kernel's arguments)
 from conftest import HAS_CUDA, gpu
 
+pytestmark = pytest.mark.slow      # the Triton kernels in the CPU interpreter: not in the fast loop (-m "not slow")
+
 DEV = "cuda" if HAS_CUDA else "cpu"
 INTERPRETED = not HAS_CUDA
 

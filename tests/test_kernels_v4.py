@@ -17,6 +17,8 @@ import quant  # noqa: E402
 from bounds import loads_and_stores_in_bounds  # noqa: E402, F401  (autouse: no address outside a kernel's arguments)
 from conftest import HAS_CUDA  # noqa: E402
 
+pytestmark = pytest.mark.slow      # the Triton kernels in the CPU interpreter: not in the fast loop (-m "not slow")
+
 DEV = "cuda" if HAS_CUDA else "cpu"
 
 

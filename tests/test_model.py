@@ -147,6 +147,7 @@ def test_weights_derived_at_load(ckpt, exact):
     assert exact.w["head_f32"].dtype == np.float32
 
 
+@pytest.mark.slow
 def test_decode_step_by_step_equals_one_prefill(exact):
     tokens = np.random.default_rng(0).integers(0, 2048, (2, 72))       # sparse (topk 8), cache grows past 64
     full = exact.forward(tokens, all_positions=True)
@@ -156,6 +157,7 @@ def test_decode_step_by_step_equals_one_prefill(exact):
     assert rel_err(np.stack(step, 1), full) <= 1e-5
 
 
+@pytest.mark.slow
 @settings(max_examples=6)
 @given(st.lists(st.integers(1, 20), min_size=1, max_size=5))
 def test_chunked_prefill_equals_one_prefill(exact, sizes):
@@ -179,6 +181,7 @@ def test_official_chunked_prefill_equals_one_prefill(ckpt):
     assert rel_err(np.concatenate([a, b], 1), full) <= 1e-6
 
 
+@pytest.mark.slow
 def test_batch_rows_are_independent(ckpt):
     m = Transformer.from_pretrained(ckpt)
     tokens = np.random.default_rng(3).integers(0, 2048, (3, 20))

@@ -32,6 +32,7 @@ def draw(rng, shape, spread=1.0):
     return quant.bf16_round(rng.standard_normal(shape) * spread)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(st.integers(1, 9), st.integers(0, 3), st.floats(0.1, 30), st.integers(0, 2 ** 31))
 def test_mhc_and_norm_ops_row_by_row(model, M, i, spread, seed):
@@ -84,6 +85,7 @@ def test_router_row_by_row(M, i, spread, seed):
         assert np.array_equal(t, s), j
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None)
 @given(st.integers(2, 3), st.integers(1, 40), st.integers(0, 3), st.integers(0, 2 ** 31))
 def test_attention_batch_by_batch(model, B, T, i, seed):

@@ -40,6 +40,7 @@ def layer_trace(trace, i, ops):  # this layer's trace arrays, handed to the back
     return {k.split(".", 1)[1]: v for k, v in trace.items() if k.startswith(f"l{i}.")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", [0, 1])
 def test_attention_ops(fx, trace, i):
     ops, a, layers = fx
@@ -164,6 +165,7 @@ def test_fixture_loads_and_skips_mtp():
     assert len(m.w["layers"]) == 3                                          # ...and not built
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backends())
 def test_whole_model_reproduces_official_logits(trace, backend):
     # bit-faithful backends only: NumPy and torch on the CPU compute every rounding point as the

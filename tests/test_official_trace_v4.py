@@ -123,6 +123,7 @@ def test_fixture_is_the_official_layout(official_v4_ckpt, trace_v4):
     assert (trace_v4["hc_rows"] == np.r_[np.arange(0, 206, 4), 205]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(4))
 def test_mhc_ops(fx, trace_v4, i):
     # the mixes, Sinkhorn, the collapse, the sub-layer's RMSNorm and the post-mix, on both sides of the
@@ -158,6 +159,7 @@ def decode_keys(kv_rows, pos, W):  # the decode cache's window: position p in ri
     return ring
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(4))
 def test_attention_ops(fx, trace_v4, i):
     m, ops, a, tw = fx
@@ -244,6 +246,7 @@ def test_attention_ops(fx, trace_v4, i):
         same(y[0], t["attn_out"], key + "attn_layer_out")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(4))
 def test_ffn_ops(fx, trace_v4, i):
     m, ops, a, _ = fx
@@ -276,6 +279,7 @@ def test_head_ops(fx, trace_v4):
         same(logits[0], trace_v4["logits"][k], f"logits[{k}]")
 
 
+@pytest.mark.slow
 def test_whole_model(fx, trace_v4):
     # the model in official numerics on the trace's prefill and its 4 decode tokens, each the greedy pick
     # before it: every layer's streams (the prefill's hc_rows) and the 5 steps' logits bit for bit. This

@@ -18,6 +18,8 @@ from conftest import gpu
 from helpers import rel_err
 from model import Transformer, load_layer
 
+pytestmark = pytest.mark.slow      # several processes (gloo ranks, torchrun): not in the fast loop (-m "not slow")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -24,6 +24,7 @@ def ckpt(tmp_path_factory):
     return checkpoint.write_checkpoint(path, cfg, checkpoint.random_weights(cfg, 11))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_exact_logits_and_greedy_tokens_equal_numpy(ckpt, device):
     ref = Transformer.from_pretrained(ckpt, numerics="exact")

@@ -49,6 +49,7 @@ def test_objectives_train_the_scores_only():
     assert float(train.indexer_kl_dense(torch.from_numpy(A), torch.log(p.clamp_min(1e-300)))) <= 1e-9
 
 
+@pytest.mark.slow
 def test_the_split_is_disjoint_and_stable():
     train_files, held = train.stdlib_files(), train.stdlib_files(held_out=True)
     assert train_files and held and not set(train_files) & set(held)
@@ -91,6 +92,7 @@ def test_the_training_forward_is_the_models_exact_forward(tmp_path):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), sparse
 
 
+@pytest.mark.slow
 def test_the_warm_up_converges_on_a_toy():
     # eq. (3) alone, the main model frozen: the indexer learns the attention it imitates (KL falls, the
     # share of the attention mass its top-k keeps rises) and nothing else moves
@@ -108,6 +110,7 @@ def test_the_warm_up_converges_on_a_toy():
     assert all(torch.equal(m.p[k], v) for k, v in frozen.items())
 
 
+@pytest.mark.slow
 def test_the_other_stages_step():
     # dense: the language-model loss falls on a repeated batch; sparse: the indexer's KL (eq. (4)) trains
     # the indexer alone, its inputs detached, so no gradient of it reaches the main model
@@ -129,6 +132,7 @@ def test_the_other_stages_step():
     assert torch.isfinite(loss) and 0 < log["recall"] <= 1
 
 
+@pytest.mark.slow
 def test_the_recipe_end_to_end_on_a_toy(tmp_path, capsys):
     # train.py's command on a toy budget: data, tokenizer, the three stages, the export; the result
     # loads through the model's own loader and generates through generate.py
@@ -169,6 +173,7 @@ def test_evaluation_measures():
     assert 0 <= train.retrieval_accuracy(m, tok, 100, 2, True) <= 1
 
 
+@pytest.mark.slow
 def test_a_checkpoint_reads_back(tmp_path):
     import checkpoint
     cfg = checkpoint.tiny_config(vocab_size=256, num_hidden_layers=2, max_position_embeddings=64)
@@ -325,6 +330,7 @@ def test_export_replaces_a_checkpoint_only_with_force(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["t"]                        # nothing moved aside left
 
 
+@pytest.mark.slow
 def test_out_cli_keeps_the_shipped_model(tmp_path):
     # `python train.py --out small-v32` in one line, exit 2, before the data is even read (the recipe's
     # defaults would train for hours: the timeout would fail this); every byte of the folder kept
@@ -353,6 +359,7 @@ def test_without_torch_help_works_and_the_rest_says_what_to_install(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device, said", bad_devices())
 def test_device_is_one_line_before_any_work(tmp_path, device, said):
     # --device cuda without CUDA was an AssertionError traceback (Torch not compiled with CUDA enabled)
@@ -362,6 +369,7 @@ def test_device_is_one_line_before_any_work(tmp_path, device, said):
     assert r.stderr.startswith("train.py: error: " + said) and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("missing", ["ml_dtypes", "tokenizers"])
 def test_a_python_without_the_packages_names_the_setup(tmp_path, missing):
     from helpers import missing_line, run_without
@@ -372,6 +380,7 @@ def test_a_python_without_the_packages_names_the_setup(tmp_path, missing):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_one_line_and_leaves_nothing_half_written(tmp_path):
     # --evaluate (minutes) and training: exit 130, one line saying what is there, no --json, no checkpoint
     from helpers import interrupt

@@ -57,6 +57,7 @@ def pair(request, tmp_path_factory):
     return Transformer.from_pretrained(path, numerics="exact"), hf_model(path, cfg), cfg
 
 
+@pytest.mark.slow
 def test_logits_at_every_position(pair):
     ours, hf, cfg = pair
     tokens = np.random.default_rng(1).integers(0, cfg["vocab_size"], (2, 3 * cfg["index_topk"] + 5))  # sparse
@@ -67,6 +68,7 @@ def test_logits_at_every_position(pair):
     assert rel_err(got, ref) <= 1e-4
 
 
+@pytest.mark.slow
 def test_greedy_decode_with_cache(pair):
     ours, hf, cfg = pair
     prompt = np.random.default_rng(2).integers(0, cfg["vocab_size"], (1, cfg["index_topk"] + 4))

@@ -105,6 +105,7 @@ def pair(request, tmp_path_factory):
     return hf, TransformerV4.from_pretrained(path, numerics="exact")
 
 
+@pytest.mark.slow
 def test_exact_logits_match_transformers(pair):
     hf, m = pair
     tokens = np.random.default_rng(3).integers(0, 512, (2, 72))    # past the window, 18 CSA / 4 HCA entries
@@ -331,6 +332,7 @@ def test_sparse_selection_matches_transformers_but_for_ties(tmp_path, monkeypatc
     assert compared >= 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("splits", [(1,), (3, 4, 5), (16, 17), (31, 32, 33), (47,)])
 def test_cached_decode_and_chunks_equal_one_prefill(pair, splits):
     # a prefill, then decode steps and chunks across every state change: a compressor's window
@@ -359,6 +361,7 @@ def test_decode_token_by_token_with_sparse_selection(tmp_path):
     assert rel_err(np.stack(steps, 1), full[:, 9:]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_caches_stay_small(pair):
     # the window is a ring of n_win keys; compressed keys grow by one per m tokens
     _, m = pair
@@ -467,6 +470,7 @@ def test_fp4_gemm_against_float64():
     assert rel_err(quant.fp4_gemm(q, sa, p, s), want) <= 1e-6
 
 
+@pytest.mark.slow
 def test_official_decode_and_chunks_equal_one_prefill_bit_for_bit(tmp_path):
     # every official rounding point is a function of its own row: a decode step and a chunk compute the
     # very bits the prefill computes (the GEMMs that BLAS would sum differently for one row are summed
@@ -495,6 +499,7 @@ def tiny_v4(tmp_path_factory):
     return checkpoint.build_tiny(tmp_path_factory.mktemp("v4t") / "tiny-v4", tokenizer=False, v4=True)
 
 
+@pytest.mark.slow
 def test_torch_exact_equals_transformers_and_numpy(pair, tmp_path):
     from model import Transformer
     hf, m = pair
@@ -517,6 +522,7 @@ def kernel_ops():  # the op table with kernels_v4's kernels: the GPU's, or the s
     return torch_ops("cuda") if HAS_CUDA else torch_ops("cpu", v4=kernels_cuda)
 
 
+@pytest.mark.slow
 def test_kernel_path_exact_equals_numpy(pair, tmp_path):
     # mHC, the CSA indexer's scores and picks and the sparse attention through kernels_v4 (96 tokens, with
     # index_topk 20 in a copy of the checkpoint: a CSA query past the window reads 16 + 20 keys, two key
@@ -546,6 +552,7 @@ def test_kernel_path_exact_equals_numpy(pair, tmp_path):
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.slow
 def test_static_decode_equals_numpy_and_the_caches_continue(tiny_v4):
     # the capturable step (ring slots by position, keys written by window, the buffers' whole capacity) in
     # exact numerics against the NumPy reference, across CSA and HCA windows completing (pos 15, 19: m = 4,
@@ -601,6 +608,7 @@ def test_cuda_graph_replays_v4s_static_step(tiny_v4):
     assert err <= 2 ** -5                                    # official: the kernels' other key splits, then bf16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", [False, True])
 def test_torch_official_sublayers_within_a_bf16_ulp_of_numpy(tiny_v4, kernels):
     # op by op (np.exp's and torch's last bits differ, and so do fp32 and float64 sums), so some bf16
@@ -636,6 +644,7 @@ def test_torch_official_sublayers_within_a_bf16_ulp_of_numpy(tiny_v4, kernels):
             assert rel <= bound, (i, what, rel)
 
 
+@pytest.mark.slow
 def test_torch_official_decode_equals_prefill_bit_for_bit(tiny_v4):
     from model import Transformer
     t = Transformer.from_pretrained(tiny_v4, backend="torch", device="cpu")
@@ -648,6 +657,7 @@ def test_torch_official_decode_equals_prefill_bit_for_bit(tiny_v4):
     assert (np.concatenate(got, 1) == full).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", [[0, 2, 4, 6, 1, 3, 5, 7], [0, 2, 1, 3, 5, 4, 6, 7]])
 def test_the_expert_probe_catches_a_permuted_w2(tiny_v4, monkeypatch, order):
     # the gfx90a report's bug: a kernel reading W2's 16-row blocks of each 128-row tile in the order
@@ -673,6 +683,7 @@ def test_the_expert_probe_catches_a_permuted_w2(tiny_v4, monkeypatch, order):
         Transformer.from_pretrained(tiny_v4, backend="torch", device="cpu")
 
 
+@pytest.mark.slow
 def test_32_greedy_tokens_equal_transformers_cached_generation(pair):
     # transformers' own cached generation (its caches, its decode) against ours, greedy, 32 tokens
     hf, m = pair
@@ -713,6 +724,7 @@ def test_compressor_state_at_every_boundary(B1, m, first, chunks, seed):
         assert np.abs(parts.keys - whole.keys).max() <= 1e-5 * max(1.0, np.abs(whole.keys).max())
 
 
+@pytest.mark.slow
 def test_experts_reencoded_to_fp8_at_load(tiny_v4, monkeypatch):
     # the second route for the FP4 experts: 128x128 block FP8 made at load (quant.fp4_to_fp8_blocks). Exact
     # numerics compute on the dequantized values, which are the same numbers: the same logits bit for bit.
@@ -747,6 +759,7 @@ def test_experts_reencoded_to_fp8_at_load(tiny_v4, monkeypatch):
         Transformer.from_pretrained(v32, experts="fp8")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experts", ["fp4", "fp8"])
 @pytest.mark.parametrize("M", [2, 9])
 def test_grouped_experts_of_one_rank(tiny_v4, M, experts, monkeypatch):

@@ -59,6 +59,7 @@ def fixed_line(text):  # the result line of comparison 2
     return text.split("2. fixed tokens", 1)[1].splitlines()[1]
 
 
+@pytest.mark.slow
 def test_the_default_numpy_setup_compares_and_passes(tiny):
     # what a new user runs after ./setup.sh (NumPy only), on any machine: a real comparison, exit 0
     r = cli("--ckpt", tiny, "--verify")
@@ -74,6 +75,7 @@ def test_the_default_numpy_setup_compares_and_passes(tiny):
         assert "no golden under this bits key (not compared)" in r.stdout and "(1 comparison)" in r.stdout
 
 
+@pytest.mark.slow
 def test_a_slightly_wrong_model_fails_the_fixed_check(tiny, tmp_path):
     launcher = tmp_path / "perturbed.py"
     launcher.write_text(PERTURB.format(root=str(ROOT), generate=str(ROOT / "generate.py")))
@@ -94,6 +96,7 @@ def bits_elsewhere(tmp_path):  # goldens.json with tiny-v32's bit-level goldens 
     return path
 
 
+@pytest.mark.slow
 def test_a_golden_under_another_bits_key_is_listed_and_the_fixed_check_still_runs(tiny, tmp_path, norm_off_by_1e4):
     goldens = bits_elsewhere(tmp_path)
     verdict, text = run_verify(tiny, goldens)                 # perturbed: the fixed check alone must fail it
@@ -108,6 +111,7 @@ def test_a_golden_under_another_bits_key_is_not_a_fail(tiny, tmp_path):
     assert "16/16 recorded greedy tokens hold" in fixed_line(text)
 
 
+@pytest.mark.slow
 def test_record_golden_writes_its_file_and_leaves_goldens_json_alone(tiny, tmp_path):
     before = hashlib.sha256(verify.GOLDENS.read_bytes()).hexdigest()
     out = tmp_path / "mine.json"
@@ -127,6 +131,7 @@ def test_record_golden_writes_its_file_and_leaves_goldens_json_alone(tiny, tmp_p
     assert entry["fixed"]["exact/all"]["greedy"] == committed["greedy"]      # the greedy tokens hold here
 
 
+@pytest.mark.slow
 def test_record_golden_refuses_the_tracked_goldens_json(tmp_path):
     # `--record-golden goldens.json` (from the repository) wrote into the tracked file: refused in one line before
     # the model loads, by any name of that file; every byte kept
@@ -142,6 +147,7 @@ def test_record_golden_refuses_the_tracked_goldens_json(tmp_path):
     assert verify.GOLDENS.read_bytes() == before and not list(ROOT.glob("goldens.json.tmp"))
 
 
+@pytest.mark.slow
 def test_nothing_compared_is_no_pass_and_goldens_are_per_bits_key(tiny, tmp_path):
     goldens, mine = tmp_path / "goldens.json", tmp_path / "mine.json"
     verdict, text = run_verify(tiny, goldens, numerics="exact", layers=1)   # no record: nothing applies
@@ -178,6 +184,7 @@ def test_a_tampered_fixed_record_fails(tiny, tmp_path):
     assert verdict == verify.FAIL and "<-- beyond tolerance" in fixed_line(text)
 
 
+@pytest.mark.slow
 def test_verify_layers_must_be_within_the_model(tiny, tmp_path):
     r = cli("--ckpt", tiny, "--verify", "--verify-layers", "99")
     assert "--verify-layers 99: " in r.stderr and "has 4 layers, so N must be 1..4" in r.stderr and r.returncode == 2
@@ -189,6 +196,7 @@ def test_verify_layers_must_be_within_the_model(tiny, tmp_path):
     assert not (tmp_path / "g.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
 def test_torch_passes_against_the_reference_and_the_fixed_tokens(tiny, device):
     pytest.importorskip("torch")
@@ -203,6 +211,7 @@ def test_torch_passes_against_the_reference_and_the_fixed_tokens(tiny, device):
         assert "no golden under this bits key" in r.stdout and "(2 comparisons)" in r.stdout
 
 
+@pytest.mark.slow
 def test_verify_catches_the_old_indexer_rope(tiny, monkeypatch):
     # REF-old's bug: interleaved RoPE in the indexer. The torch path with that bug must fail --verify.
     pytest.importorskip("torch")

@@ -44,6 +44,7 @@ def test_row_softmax_is_the_indexers_distribution():
     assert np.allclose(got[0], [1, 0, 0]) and np.allclose(got[1], np.exp(I[1]) / np.exp(I[1]).sum())
 
 
+@pytest.mark.slow
 def test_the_four_views_of_a_toy_checkpoint(tmp_path, capsys):
     out = train.main(["--out", str(tmp_path / "m"), "--steps", "2", "2", "2", "--batch", "2", "--seq", "48", "--topk", "8",
                       "--vocab", "400", "--files", "3"])
@@ -70,6 +71,7 @@ def test_the_four_views_of_a_toy_checkpoint(tmp_path, capsys):
     assert not (tmp_path / "fig2").exists()                              # nothing made before the check
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_status_2(tmp_path):
     # as the README says of every script: bad input is exit status 2 (it was 1), one line, nothing made
     from helpers import run_without
@@ -82,6 +84,7 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("missing", ["torch", "matplotlib", "tokenizers", "ml_dtypes"])
 def test_without_a_package_help_works_and_the_rest_says_what_to_install(tmp_path, missing):
     from helpers import missing_line, run_without
@@ -93,6 +96,7 @@ def test_without_a_package_help_works_and_the_rest_says_what_to_install(tmp_path
     assert not (tmp_path / "fig").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_one_line_naming_the_views_drawn(tmp_path):
     # Ctrl-C while view 3 evaluates (minutes): exit 130, one line saying which PNGs are this run's (each whole)
     # and which are not (one left from an earlier run, untouched); no temporary file left
