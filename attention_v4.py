@@ -61,10 +61,6 @@ def attention_ref(q, keys, allowed, sink, scale):  # [B,T,H,c], [B,S,c], [B,T,S]
     return np.einsum("bhts,bsc->bthc", p, keys).astype(np.float32)
 
 
-def exp_f32(x):  # exp correctly rounded to fp32 (through float64)
-    return np.exp(np.asarray(x, np.float64)).astype(np.float32)
-
-
 def blocked_attention_ref(q, keys, idx, sink, scale):  # [B,T,H,c], [B,S,c], [B,T,K] int, [H] -> [B,T,H,c]
     """Official numerics, as the official sparse_attn kernel rounds: query t's keys are the rows idx[b, t]
     of `keys` (-1: none), walked BLOCK columns at a time in list order. Per block: the scores z =
@@ -86,13 +82,13 @@ def blocked_attention_ref(q, keys, idx, sink, scale):  # [B,T,H,c], [B,S,c], [B,
         z = np.where(cols[:, :, None] >= 0, z, -np.inf)                             # [B, T, H, k]
         m_new = np.maximum(m, z.max(-1))
         ref = np.where(np.isfinite(m_new), m_new, 0)                                # no key yet: nothing to scale
-        a = exp_f32(m - ref)                                                        # [B, T, H]
-        e = exp_f32(z - ref[..., None])
+        a = quant.exp_f32(m - ref)                                                        # [B, T, H]
+        e = quant.exp_f32(z - ref[..., None])
         l = (l.astype(f64) * a + e.sum(-1, dtype=f64).astype(np.float32)).astype(np.float32)   # one fma
         pv = np.einsum("bthk,btkc->bthc", quant.bf16_round(e).astype(f64), kb)
         acc = ((acc * a[..., None]).astype(f64) + pv).astype(np.float32)
         m = m_new
-    l = l + exp_f32(np.asarray(sink, np.float32) - np.where(np.isfinite(m), m, 0))
+    l = l + quant.exp_f32(np.asarray(sink, np.float32) - np.where(np.isfinite(m), m, 0))
     return quant.bf16_round(acc / l[..., None])
 
 

@@ -686,8 +686,11 @@ def hc_post(X, y, post, comb, official=False, *, v4k=None):  # mhc.hc_post_ref
     if v4k is not None:
         return v4k.hc_post(X, y, post, comb, official)
     rnd = bf16_round if official else no_round
-    mix = f64(lambda v: v.sum(1), comb[:, :, :, None] * X[:, :, None, :].float())             # B^T X [M, n, d]
-    return rnd(post[:, :, None] * y[:, None, :] + mix)
+    X = X.float()
+    mix = torch.zeros(X.shape, dtype=torch.float64 if not X.is_cuda else torch.float32, device=X.device)
+    for i in range(X.shape[1]):                                                  # B^T X: fp32 products, one sum
+        mix += comb[:, i, :, None] * X[:, i, None, :]
+    return rnd(post[:, :, None] * y[:, None, :] + mix.float())
 
 
 def hc_head(X, fn, base, scale, args, official=False, *, kern=None):  # mhc.hc_head_ref
@@ -861,10 +864,19 @@ def best_first(I, picks):  # I [B, T, n], picks [B, T, k] ascending (-1 last) ->
     return picks.gather(-1, torch.sort(-s, dim=-1, stable=True).indices)
 
 
-def window_indices(T, start_pos, P, W, dev):  # attention_v4.window_indices_ref
-    t = start_pos + torch.arange(T, device=dev)[:, None]
-    pos = (t - W + 1).clamp_min(0) + torch.arange(min(T, W) if start_pos == 0 else W, device=dev)[None]
-    return torch.where(pos <= t, pos - (start_pos - P), -1)
+def window_positions(t, W, cols):  # t [T, 1] query positions -> [T, cols]: each window's positions oldest first, -1 after
+    pos = (t - W + 1).clamp_min(0) + torch.arange(cols, device=t.device)
+    return torch.where(pos <= t, pos, -1)
+
+
+def window_indices(T, start_pos, P, W, dev):  # attention_v4.window_indices_ref: rows of KW = [P ring keys | T chunk keys]
+    pos = window_positions(start_pos + torch.arange(T, device=dev)[:, None], W, min(T, W) if start_pos == 0 else W)
+    return torch.where(pos >= 0, pos - (start_pos - P), -1)
+
+
+def ring_slots(pos, W):  # the same list for one query at the device position pos [1], as ring slots -> [1, W]
+    s = window_positions(pos[:, None], W, W)
+    return torch.where(s >= 0, s % W, -1)
 
 
 def blocked_attention(q, keys, idx, sink, scale):  # attention_v4.blocked_attention_ref, step for step
@@ -975,8 +987,7 @@ def attention_v4_step(x, p, kind, m, pos, freqs, args, cache, sparse=True, offic
     cos, sin = rope_angles(freqs, pos)
     qr, q, kv = query_key(x, p, cos, sin, args, official, kern)
     cache.ring.index_copy_(1, pos % W, kv)
-    s = (pos - W + 1).clamp_min(0) + torch.arange(W, device=dev)                  # the window's positions, oldest first
-    idx = torch.where(s <= pos, s % W, -1)[None].expand(B, 1, W)                  # their ring slots, -1 padded at the end
+    idx = ring_slots(pos, W)[None].expand(B, 1, W)                                 # the window's slots, oldest first
     KC, n_dense, n_max = cache.ring[:, :0], torch.zeros(1, dtype=torch.long, device=dev), 0
     if kind != "sliding_attention":
         compress_step(x, p["compressor"], m, m == 4, pos, freqs, eps, cache.comp, rnd,

@@ -468,7 +468,7 @@ def fp4_moe_gemm(a, sa, packed, sb, rows, block_expert, fnuz=False, gemv=None, i
 BLOCK = 64  # attention_v4.BLOCK: the official kernel's columns a block
 
 @triton.jit
-def _query_keys(Q, KW, KC, IDX, bt, b, h, in_h, v, v1, P, NC, KSEL, H, C: tl.constexpr):
+def _query_keys(KW, KC, IDX, bt, b, v, v1, P, NC, KSEL, C: tl.constexpr):
     """The rows of [KW | KC] that columns v of query bt's list name: v < KSEL the listed row IDX[v], then
     KC[v - KSEL] (the dense keys); -> κ [BS, c], ok [BS] (False: -1, or past v1)."""
     cs = tl.arange(0, C)
@@ -508,7 +508,7 @@ def _sink_attention_kernel(Q, KW, KC, IDX, ND, MX, L, ACC, T, H, P, NC, KSEL, CH
         l = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, C), tl.float32)
     for s0 in range(v0, v1, BLOCK_S):
-        k, ok = _query_keys(Q, KW, KC, IDX, bt, b, h, in_h, s0 + tl.arange(0, BLOCK_S), v1, P, NC, KSEL, H, C)
+        k, ok = _query_keys(KW, KC, IDX, bt, b, s0 + tl.arange(0, BLOCK_S), v1, P, NC, KSEL, C)
         z = tl.dot(q, tl.trans(k), input_precision="ieee")
         z = tl.where(ok[None, :], z * scale, float("-inf"))                          # [BH, BS]
         if PASS == 1:
@@ -549,7 +549,7 @@ def _blocked_attention_kernel(Q, KW, KC, IDX, ND, SINK, O, T, H, P, NC, KSEL, sc
     for j0 in range(0, nv, BLOCK):
         mb = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         for s0 in range(j0, j0 + BLOCK, BLOCK_S):                                    # the block's max
-            k, ok = _query_keys(Q, KW, KC, IDX, bt, b, h, in_h, s0 + tl.arange(0, BLOCK_S), nv, P, NC, KSEL, H, C)
+            k, ok = _query_keys(KW, KC, IDX, bt, b, s0 + tl.arange(0, BLOCK_S), nv, P, NC, KSEL, C)
             if BF16:
                 z = tl.dot(q, tl.trans(k.to(tl.bfloat16)), out_dtype=tl.float32)
             else:
@@ -561,7 +561,7 @@ def _blocked_attention_kernel(Q, KW, KC, IDX, ND, SINK, O, T, H, P, NC, KSEL, sc
         acc = acc * a[:, None]
         ls = tl.zeros((BLOCK_H,), tl.float32)
         for s0 in range(j0, j0 + BLOCK, BLOCK_S):                                    # its sums, against m
-            k, ok = _query_keys(Q, KW, KC, IDX, bt, b, h, in_h, s0 + tl.arange(0, BLOCK_S), nv, P, NC, KSEL, H, C)
+            k, ok = _query_keys(KW, KC, IDX, bt, b, s0 + tl.arange(0, BLOCK_S), nv, P, NC, KSEL, C)
             if BF16:
                 k = k.to(tl.bfloat16)
                 z = tl.dot(q, tl.trans(k), out_dtype=tl.float32)

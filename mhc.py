@@ -21,8 +21,9 @@ import numpy as np
 import quant
 
 
-# fp32 as the official kernels compute it: exp and sigmoid correctly rounded, a kernel's a * b + c one fma,
-# the Sinkhorn's n-term sums added in fp32 in index order (bit for bit with the official trace)
+# fp32 as the official kernels compute it: exp and sigmoid rounded once, a kernel's a * b + c one fma
+# (through float64, as quant.rsqrt_f32), the Sinkhorn's n-term sums added in fp32 in index order (bit for
+# bit with the official trace)
 def sigmoid(x):
     return (1 / (1 + np.exp(-np.asarray(x, np.float64)))).astype(np.float32)
 
@@ -43,7 +44,7 @@ def sinkhorn_ref(B0, iters, eps):  # [..., n, n] logits -> [..., n, n], rows and
     """Softmax over each row plus eps, then alternate normalisations, columns first: t_max = iters
     column normalisations and iters - 1 row ones (the official kernel's schedule)."""
     eps = np.float32(eps)
-    B = np.exp((B0 - B0.max(-1, keepdims=True)).astype(np.float64)).astype(np.float32)
+    B = quant.exp_f32(B0 - B0.max(-1, keepdims=True))
     B = B / sum_f32(B, -1) + eps                                                # softmax_j + eps
     B = B / (sum_f32(B, -2) + eps)                                              # columns
     for _ in range(iters - 1):
@@ -86,7 +87,9 @@ def hc_post_ref(X, y, post, comb, official=False):  # [M, n, d], [M, d], [M, n],
     """As the official code: c_j y and each B_ij X_i in fp32, the sum over i rounded once, then the two
     added in fp32; official: the streams are held in bf16 between sub-layers."""
     rnd = quant.bf16_round if official else quant.no_round
-    mix = (comb[:, :, :, None] * X[:, :, None, :]).astype(np.float32).sum(1, dtype=np.float64)   # B^T X [M, n, d]
+    mix = np.zeros(X.shape, np.float64)                                          # B^T X [M, n, d]
+    for i in range(X.shape[1]):                                                  # fp32 products, summed in float64
+        mix += (comb[:, i, :, None] * X[:, i, None, :]).astype(np.float32)
     return rnd(post[:, :, None] * y[:, None, :] + mix.astype(np.float32))
 
 

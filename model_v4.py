@@ -31,9 +31,9 @@ Numerics, set at load time, as for V3.2:
   not depend on the batch or the chunk it runs in, but the attention's blocks do depend on the list's
   layout: a prefill from position 0 lists min(T, n_win) window columns, every later step n_win, so
   after a prompt shorter than the window the compressed keys fall in other blocks. Decode equals
-  prefill bit for bit in exact numerics always; in official numerics when the first chunk has at
-  least n_win tokens or no query lists more than 64 keys (the official code's decode is not its own
-  prefill either, there). On the CPU (NumPy and torch) every op and the whole model give the bits of
+  prefill in exact numerics to fp32 rounding (its GEMMs are BLAS's); in official numerics bit for bit
+  when the first chunk has at least n_win tokens or no query lists more than 64 keys (the official
+  code's decode is not its own prefill either, there). On the CPU (NumPy and torch) every op and the whole model give the bits of
   the official code's trace (its GPU kernels emulated exactly, the hardware's open choices fixed as
   tests/fixtures/README.md says; tests/test_official_trace_v4.py); a GPU's fp32 sums are its own.
 - "exact": float32 on dequantized weights, what transformers' DeepseekV4ForCausalLM computes.

@@ -3,6 +3,7 @@ blocks of 64 columns, running max, bf16 probabilities) against float64, and the 
 the order inside a block is free, the order across blocks is not. test_official_trace_v4.py holds it to
 the official code's own outputs bit for bit."""
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 import attention_v4
@@ -99,3 +100,32 @@ def test_sparse_attention_lists_the_dense_keys_after_the_list():
     assert np.array_equal(sparse_attention_ref(q, KW, KC, idx, n_dense, sink, 0.25, official=True), want)
     exact = sparse_attention_ref(q, KW, KC, idx, n_dense, sink, 0.25, official=False)
     assert np.abs(exact - want).max() <= 2.0 ** -6 * np.abs(exact).max()
+
+
+def test_the_torch_twins_list_the_keys_as_the_reference():
+    # backend_torch's window lists (a chunk's rows, the CUDA-graph step's ring slots) and its reordering of
+    # the top-k kernel's ascending picks give the reference's lists: their order decides the official bits
+    torch = pytest.importorskip("torch")
+    import backend_torch as bt
+    from indexer import topk_order_ref
+    for W in (4, 16, 128):
+        for start in sorted({0, 1, W - 2, W - 1, W, W + 1, 3 * W + 5}):
+            for T in (1, 3, W + 7):
+                P = min(start, W - 1)
+                got = bt.window_indices(T, start, P, W, "cpu").numpy()
+                assert np.array_equal(got, window_indices_ref(T, start, P, W)), (W, start, T)
+            if start == 0:
+                continue                                                           # a decode step follows a prefill
+            P = min(start, W - 1)
+            want = window_indices_ref(1, start, P, W)                              # rows of [ring | the token]
+            slots = np.where(want >= 0, (start - P + want) % W, -1)                # as ring slots
+            assert np.array_equal(bt.ring_slots(torch.tensor([start]), W).numpy(), slots), (W, start)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        B, T, S, k, start = 2, 3, int(rng.integers(0, 30)), int(rng.integers(1, 9)), int(rng.integers(0, 120))
+        I = rng.integers(-3, 3, (B, T, S)).astype(np.float32)                       # many ties
+        want = topk_order_ref(I, k, start, 4)
+        ascending = np.sort(np.where(want >= 0, want, S + 1), -1)                   # the kernel's contract: ascending,
+        ascending = np.where(ascending <= S, ascending, -1)                         # then -1
+        got = bt.best_first(torch.from_numpy(I), torch.from_numpy(ascending)).numpy()
+        assert np.array_equal(got, want)
