@@ -466,11 +466,15 @@ def load_tools(path):  # an OpenAI-style JSON tool list, in the shape chat.py's 
         tools = checkpoint.read_json(p)
     except CheckpointError as e:
         raise ValueError(f"--tools {e}") from None
+    return check_tools(tools, f"--tools {p}")
+
+
+def check_tools(tools, name):  # an OpenAI tool list, however it came -> itself; else a ValueError starting with name
     if not isinstance(tools, list):
-        raise ValueError(f"--tools {p}: expected a JSON list of tools, each with a function name; "
+        raise ValueError(f"{name}: expected a JSON list of tools, each with a function name; "
                          f"got {checkpoint.json_type(tools)}")
     for i, t in enumerate(tools):
-        where = f"--tools {p}: tool {i}"
+        where = f"{name}: tool {i}"
         if not isinstance(t, dict):
             raise ValueError(f"{where}: expected an object, got {checkpoint.json_type(t)}")
         if "function" in t and t.get("type", "function") != "function":
@@ -542,7 +546,7 @@ def main(argv=None):
                "(--debug shows the traceback instead; argparse's own usage errors are 2 as well); 130 interrupted "
                "(Ctrl-C; in the chat: twice in a row at the prompt, once during a reply stops the reply); "
                "with --verify: 0 pass, 1 fail, 3 nothing compared.")
-    ap.add_argument("--ckpt", required=True, help="checkpoint folder: config.json, safetensors shards + index, tokenizer.json")
+    add_model_flags(ap)                                # --ckpt, --chat-format and the loading flags
     src = ap.add_mutually_exclusive_group()            # one of them required: checked after parsing (below)
     src.add_argument("--prompt", help="one prompt (a single user turn unless --raw)")
     src.add_argument("--input-file", help="a text file of prompts separated by blank lines, generated as one batch")
@@ -552,9 +556,6 @@ def main(argv=None):
                      help="check the chosen backend against the NumPy reference and the recorded goldens, then exit")
     ap.add_argument("--raw", action="store_true",
                     help="feed the prompt text as is, without the chat format (--prompt, --input-file)")
-    ap.add_argument("--chat-format", choices=chat.FORMATS, default=None,
-                    help="v32exp (V3.1/V3.2-Exp template), dsml32 (V3.2), dsml4 (V4); default: from the checkpoint "
-                         "(its tokenizer_config.json chat_template, else its model_type)")
     ap.add_argument("--thinking", action="store_true", help="thinking mode: the model reasons first; shown apart")
     ap.add_argument("--tools", default=None, help="an OpenAI-style JSON tool list, described in the system prompt")
     ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt (default 200)")
@@ -568,29 +569,11 @@ def main(argv=None):
     ap.add_argument("--stop", action="append", default=[], metavar="STRING",
                     help="end the output before this string (cut from it); repeatable")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampler's random numbers (default 0)")
-    ap.add_argument("--backend", default="numpy", choices=["numpy", "torch"],
-                    help="numpy: the reference path (default); torch: the fast path (CPU or GPU)")
-    ap.add_argument("--device", default=None,
-                    help="torch device: cpu, cuda, cuda:1 ... (default: cuda when there is a GPU, else cpu)")
-    ap.add_argument("--numerics", default="official", choices=["official", "exact"],
-                    help="official: the official model's bf16/FP8 rounding (default); exact: float32 throughout")
-    ap.add_argument("--attention", default="sparse", choices=["sparse", "dense"],
-                    help="sparse: DSA top-k selection (default); dense: every causal key (V3.1-Terminus behaviour)")
-    ap.add_argument("--indexer", default=None, choices=["fp8", "exact"],
-                    help="indexer precision (default: fp8 with official numerics, exact with exact numerics)")
-    ap.add_argument("--experts", default=None, choices=["fp4", "fp8"],
-                    help="DeepSeek-V4's routed experts: fp4 as stored (default), or re-encoded at load to 128x128 "
-                         "block FP8 (exact, twice the memory: the FP8 GEMMs)")
     ap.add_argument("--verify-layers", type=int, default=None,
                     help="--verify: compare only the first N layers (for checkpoints too large for the CPU reference)")
     ap.add_argument("--record-golden", default=None, metavar="FILE",
                     help="--verify: record this combination's golden outputs into FILE (not the tracked goldens.json, "
                          "which --verify only reads)")
-    ap.add_argument("--max-seq-len", type=int, default=None,
-                    help="context length for caches and YaRN (default: the config's max_position_embeddings)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch on the CPU: intra-op threads (default 1: a decode step's ops are too small to split, "
-                         "and threads that wait for each other on a busy machine made it 10x slower)")
     ap.add_argument("--debug", action="store_true", help="on an error, show the Python traceback, not one line")
     a = ap.parse_args(argv)
     if not (a.prompt is not None or a.input_file is not None or a.interactive or a.verify or
@@ -609,6 +592,31 @@ def main(argv=None):
             raise
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def add_model_flags(ap):  # the checkpoint and how it loads: generate.py's flags, serve.py's too
+    ap.add_argument("--ckpt", required=True, help="checkpoint folder: config.json, safetensors shards + index, tokenizer.json")
+    ap.add_argument("--chat-format", choices=chat.FORMATS, default=None,
+                    help="v32exp (V3.1/V3.2-Exp template), dsml32 (V3.2), dsml4 (V4); default: from the checkpoint "
+                         "(its tokenizer_config.json chat_template, else its model_type)")
+    ap.add_argument("--backend", default="numpy", choices=["numpy", "torch"],
+                    help="numpy: the reference path (default); torch: the fast path (CPU or GPU)")
+    ap.add_argument("--device", default=None,
+                    help="torch device: cpu, cuda, cuda:1 ... (default: cuda when there is a GPU, else cpu)")
+    ap.add_argument("--numerics", default="official", choices=["official", "exact"],
+                    help="official: the official model's bf16/FP8 rounding (default); exact: float32 throughout")
+    ap.add_argument("--attention", default="sparse", choices=["sparse", "dense"],
+                    help="sparse: DSA top-k selection (default); dense: every causal key (V3.1-Terminus behaviour)")
+    ap.add_argument("--indexer", default=None, choices=["fp8", "exact"],
+                    help="indexer precision (default: fp8 with official numerics, exact with exact numerics)")
+    ap.add_argument("--experts", default=None, choices=["fp4", "fp8"],
+                    help="DeepSeek-V4's routed experts: fp4 as stored (default), or re-encoded at load to 128x128 "
+                         "block FP8 (exact, twice the memory: the FP8 GEMMs)")
+    ap.add_argument("--max-seq-len", type=int, default=None,
+                    help="context length for caches and YaRN (default: the config's max_position_embeddings)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch on the CPU: intra-op threads (default 1: a decode step's ops are too small to split, "
+                         "and threads that wait for each other on a busy machine made it 10x slower)")
 
 
 def check_flags(a):  # what the flags alone can refuse (before any file is read)
@@ -648,12 +656,7 @@ def run(a):  # main's work once the flags are parsed; bad input raises one of US
             quiet = os.open(os.devnull, os.O_WRONLY)
             os.dup2(quiet, 1)
             os.dup2(quiet, 2)
-    a.device = resolve_device(a.backend, a.device)
-    if a.threads is not None and (a.threads < 1 or a.backend != "torch" or a.device != "cpu"):
-        raise ValueError(f"--threads {a.threads}: must be >= 1, and applies to --backend torch --device cpu")
-    if a.backend == "torch" and a.device == "cpu" and a.parallel is None:
-        import torch
-        torch.set_num_threads(a.threads or 1)
+    set_device(a)
     if a.verify:
         import verify
         record = None if a.record_golden is None else Path(a.record_golden)   # where to write the golden
@@ -671,13 +674,8 @@ def run(a):  # main's work once the flags are parsed; bad input raises one of US
     elif a.max_new_tokens >= context:
         raise ValueError(f"--max-new-tokens {a.max_new_tokens} leaves no room for a prompt in max_seq_len {context}")
 
-    print(f"loading {a.ckpt} (memory-mapped; weights are read as layers use them)", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    model = Transformer.from_pretrained(a.ckpt, backend=a.backend, numerics=a.numerics, attention=a.attention,
-                                        indexer=a.indexer, max_seq_len=a.max_seq_len, device=a.device,
-                                        progress=show_progress, parallel=a.parallel, experts=a.experts)
+    model = load_model(a)
     args, s = model.args, a.sampling
-    print(f"loaded {args.num_hidden_layers} layers in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print(f"ckpt={a.ckpt} backend={a.backend} numerics={model.numerics} attention={model.attention} "
           f"indexer={model.indexer} device={a.device or 'cpu'} max_seq_len={args.max_seq_len} yarn={'on' if args.yarn_active else 'off'} "
           f"index_topk={args.index_topk} chat_format={'raw' if a.raw else a.chat_format} thinking={a.thinking} "
@@ -719,6 +717,25 @@ def run(a):  # main's work once the flags are parsed; bad input raises one of US
         if a.parallel is not None:
             import torch.distributed as dist
             dist.destroy_process_group()
+
+
+def set_device(a):  # --backend, --device, --threads checked (a.device resolved); torch's CPU threads set
+    a.device = resolve_device(a.backend, a.device)
+    if a.threads is not None and (a.threads < 1 or a.backend != "torch" or a.device != "cpu"):
+        raise ValueError(f"--threads {a.threads}: must be >= 1, and applies to --backend torch --device cpu")
+    if a.backend == "torch" and a.device == "cpu" and a.parallel is None:
+        import torch
+        torch.set_num_threads(a.threads or 1)
+
+
+def load_model(a):  # the flags of add_model_flags (after set_device) -> the model, loading shown on stderr
+    print(f"loading {a.ckpt} (memory-mapped; weights are read as layers use them)", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    model = Transformer.from_pretrained(a.ckpt, backend=a.backend, numerics=a.numerics, attention=a.attention,
+                                        indexer=a.indexer, max_seq_len=a.max_seq_len, device=a.device,
+                                        progress=show_progress, parallel=a.parallel, experts=a.experts)
+    print(f"loaded {model.args.num_hidden_layers} layers in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return model
 
 
 def shared_input(prompt):  # under torchrun: rank 0 reads a line, every rank receives it (EOF too)
