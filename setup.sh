@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Idempotent set-up in .venv, quiet when everything is there. Four levels, each including the ones above:
+# Idempotent set-up in .venv, quiet when everything is there. Five levels, each including the ones above:
 #   ./setup.sh          the demo: NumPy, ml_dtypes, tokenizers (requirements.txt; about 150 MB)
+#   ./setup.sh --serve  the OpenAI-compatible server serve.py: Starlette, uvicorn (requirements-serve.txt; a few MB)
 #   ./setup.sh --torch  the torch backend on the CPU: torch's CPU build, no CUDA wheels (requirements-torch.txt)
 #   ./setup.sh --views  the teaching views: matplotlib (requirements-views.txt)
 #   ./setup.sh --tests  the test suite: Triton, transformers, hypothesis... (requirements-test.txt; about 2 GB;
@@ -9,13 +10,14 @@
 # tiny-v4/ (DeepSeek-V4-Flash), built deterministically (seed 0; the same bytes on any CPU).
 set -euo pipefail
 cd "$(dirname "$0")"
-levels=(requirements.txt requirements-torch.txt requirements-views.txt requirements-test.txt)
+levels=(requirements.txt requirements-serve.txt requirements-torch.txt requirements-views.txt requirements-test.txt)
 case "${1:-}" in
   "") level=0 ;;
-  --torch) level=1 ;;
-  --views) level=2 ;;
-  --tests) level=3 ;;
-  *) echo "usage: ./setup.sh [--torch | --views | --tests]" >&2; exit 2 ;;
+  --serve) level=1 ;;
+  --torch) level=2 ;;
+  --views) level=3 ;;
+  --tests) level=4 ;;
+  *) echo "usage: ./setup.sh [--serve | --torch | --views | --tests]" >&2; exit 2 ;;
 esac
 want=${levels[$level]}
 python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' ||
@@ -58,7 +60,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! installed "$level"; then
   echo "setup: installing $want into .venv (exact versions from constraints.txt); pip's progress follows" >&2
-  if [ "$level" = 1 ] || [ "$level" = 2 ]; then torch_cpu; fi
+  if [ "$want" = requirements-torch.txt ] || [ "$want" = requirements-views.txt ]; then torch_cpu; fi
   pip_quiet -r "$want" -c constraints.txt
   stamp "$level" > ".venv/.installed-$want"
   echo "setup: .venv is ready" >&2
