@@ -28,8 +28,8 @@ CKPT = ROOT / "small-v32"
 TIMEOUT = 60                                      # seconds any one wait may take
 
 
-def start(*flags):  # serve.py as a user runs it -> (process, the API's URL)
-    p = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--ckpt", str(CKPT), "--port", "0", *flags],
+def start(*flags, ckpt=CKPT):  # serve.py as a user runs it -> (process, the API's URL)
+    p = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--ckpt", str(ckpt), "--port", "0", *flags],
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in iter(p.stdout.readline, "")] + [lines.put("")],
@@ -339,3 +339,26 @@ def test_a_python_without_starlette_names_setup_serve(tmp_path):
     r = run_without(tmp_path, ["starlette"], "serve.py", "--ckpt", "small-v32")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [missing_line("error: ", "starlette", "./setup.sh --serve", "serve.py")]
+
+
+@pytest.mark.slow
+def test_v4_chat_with_thinking_is_generate_complete():
+    # DeepSeek-V4-Flash (the bundled tiny-v4: random weights, the real tokenizer and dsml4 format) through
+    # the server, thinking on, whole and streamed, against generate.complete on the same messages
+    ckpt = ROOT / "tiny-v4"
+    p, url = start(ckpt=ckpt)
+    try:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=TIMEOUT)
+        kw = dict(model="tiny-v4", messages=HI, max_tokens=10, temperature=0,
+                  extra_body={"chat_template_kwargs": {"thinking": True}})
+        r = client.chat.completions.create(**kw)
+        m = Transformer.from_pretrained(ckpt)
+        oracle = generate.complete(m, generate.load_tokenizer(ckpt), HI, 10, thinking=True, temperature=0)
+        got = r.choices[0].message
+        assert (getattr(got, "reasoning_content", None), got.content or None) == (oracle["reasoning"], oracle["content"])
+        assert oracle["reasoning"]                                              # the reply opened with reasoning
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks) == oracle["reasoning"]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == (oracle["content"] or "")
+    finally:
+        assert stop(p) == 0
