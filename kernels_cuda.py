@@ -52,7 +52,7 @@ DSA kernels (DeepSeek Sparse Attention; the model calls them on a GPU through ba
 
 Every kernel is shared with kernels_rocm.py: what differs by architecture (the FP8 flavour
 and its maximum, whether FP8 is decoded by hand, tile sizes) arrives as constexpr arguments and
-wrapper data. Every kernel runs on the CPU under TRITON_INTERPRET=1 (tests/test_kernels.py), where
+wrapper data. Every kernel runs on the CPU under TRITON_INTERPRET=1 (tests/test_kernels_cuda.py), where
 the interpreter's fp32->fp8 and fp32->bf16 casts are defective (spec/kernels.md §4.3): the tests there
 allow exactly those defects and check bit-exactness on a GPU.
 """

@@ -30,7 +30,7 @@ and every launch passes **pdl(): programmatic dependent launch on Hopper (below)
 
 Every kernel is shared with kernels_rocm.py: what differs by architecture (the FP8 flavour and its
 maximum, whether FP8 is decoded by hand, tile sizes) arrives as constexpr arguments and wrapper data.
-Every kernel runs on the CPU under TRITON_INTERPRET=1 (tests/test_kernels.py), where the interpreter's
+Every kernel runs on the CPU under TRITON_INTERPRET=1 (tests/test_kernels_fp8.py), where the interpreter's
 fp32->fp8 and fp32->bf16 casts are defective (spec/kernels.md §4.3): act_quant's codes and the GEMMs'
 bf16 outputs go through them (bf16_round does not: it rounds from the bits), so the tests there allow
 exactly the codes' defects and compare the bf16 outputs with the reference only on a GPU.
@@ -656,7 +656,7 @@ def rms_norm(x, w, eps, official, recip=False):  # [..., D] float32, [D] or None
     """RMSNorm of each row in the reference's fp32 steps (IEEE division and square root), w times
     x / rms (attention.rms_norm_ref, V3.2) or, recip, w times x · (1 / rms) (compressor.rms_norm, V4),
     rounded to bf16 in official numerics. The sum of squares is a tree, not the reference's order:
-    within an ulp or so of it, not bit for bit (tests/test_kernels.py states the bound)."""
+    within an ulp or so of it, not bit for bit (tests/test_kernels_fp8.py states the bound)."""
     D = x.shape[-1] if x.dim() else 0
     if x.dtype != torch.float32 or not 0 < D <= RMS_NORM_MAX or (w is not None and w.shape != (D,)):
         raise ValueError(f"rms_norm: float32 rows of 1 to {RMS_NORM_MAX} and a weight of their width expected, got "

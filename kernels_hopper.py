@@ -23,7 +23,7 @@ something plain Triton cannot say: warpgroups doing different work at once (warp
 The plain-Triton kernel stays: it is what the interpreter tests in CI and what every other GPU runs.
 This one computes the same operations in the same order as the plain kernel with the latent whole
 (halves=False, late_sum=False: its defaults for bf16 rows), so its bits equal that kernel's on an H200
-(tests/test_kernels.py, GPU only): q^C against the latent as one chain of 32 k-steps from the
+(tests/test_kernels_hopper.py, GPU only): q^C against the latent as one chain of 32 k-steps from the
 0 / -inf mask, q^R against the rope part from 0, their sum, scaled (the plain kernel's two warpgroups
 run 32 of the 64 columns each; one warpgroup runs them all here, with the same products and sums per
 element); the sum of p as the plain kernel forms it, each 32-column half summed and then the two (the

@@ -22,7 +22,7 @@ On gfx942 the activation grid (e4m3fnuz, maximum 240) differs from the official 
 numerics are close to, not identical with, the official model's.
 
 No AMD GPU was available to this project: these paths are checked in the Triton CPU interpreter
-(tests/test_kernels.py) and by reading, not on hardware.
+(tests/test_kernels_rocm.py) and by reading, not on hardware.
 """
 import torch
 

@@ -636,7 +636,7 @@ def test_torch_official_sublayers_within_a_bf16_ulp_of_numpy(tiny_v4, kernels):
         z2 = t.ops.v4_moe(torch.from_numpy(x.reshape(2 * T, -1)).to(dev), pt["ffn"], a, True,
                           torch.from_numpy(ids).to(dev), True).cpu().numpy()
         # on a GPU the FP8 linears' tensor cores sum each 128-term block with fewer bits than the exact
-        # partials of quant.fp8_gemm (test_kernels.py::test_fp8_gemm_kernel): each linear's bf16 output is an
+        # partials of quant.fp8_gemm (test_kernels_fp8.py::test_fp8_gemm_kernel): each linear's bf16 output is an
         # ulp off in ~5% of values (4e-3 relative at most, measured on the H200), 2e-2 through the attention
         bound = 2 ** -5 if dev.type == "cuda" else 2 ** -7
         for what, got, want in (("attention", y2, y1), ("moe", z2, z1)):   # differing values: 0.4% of them on
