@@ -449,7 +449,7 @@ class Engine:
         return work
 
     def top(self, lp, k, chosen):  # {token text: logprob} of the k most likely tokens and the chosen one
-        best = np.argsort(-lp, kind="stable")[:k].tolist()
+        best = top_k(lp, k)
         return {self.token_text(t): float(lp[t]) for t in best + [chosen] * (chosen not in best)}
 
     def prompt_logprobs(self, ids, k):
@@ -459,10 +459,21 @@ class Engine:
         logits = logits if isinstance(logits, np.ndarray) else logits.float().cpu().numpy()
         out = [None]
         for t, lp in zip(ids[1:], log_softmax(logits[0, :-1])):
-            best = np.argsort(-lp, kind="stable")[:k].tolist()
+            best = top_k(lp, k)
             out.append({str(i): {"logprob": float(lp[i]), "rank": int((lp > lp[i]).sum()) + 1,
                                  "decoded_token": self.token_text(i)} for i in [t] + [i for i in best if i != t]})
         return out
+
+
+def top_k(lp, k):  # the k largest entries' indices, best first, ties toward the lower index (a stable sort's
+    if k <= 0:       # order), without sorting the whole vocabulary
+        return []
+    if k >= len(lp):
+        return np.argsort(-lp, kind="stable").tolist()
+    v = np.partition(lp, len(lp) - k)[len(lp) - k]                               # the k-th largest value
+    above = np.flatnonzero(lp > v)
+    best = np.concatenate([above, np.flatnonzero(lp == v)[:k - len(above)]])
+    return best[np.lexsort((best, -lp[best]))].tolist()
 
 
 def trim(d, k):  # a prompt_logprobs entry cut to its own token and the k most likely

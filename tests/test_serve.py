@@ -362,3 +362,12 @@ def test_v4_chat_with_thinking_is_generate_complete():
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == (oracle["content"] or "")
     finally:
         assert stop(p) == 0
+
+
+def test_top_k_is_a_stable_sorts_first_k():
+    # the logprobs' top entries without sorting the vocabulary: the order of a stable sort, ties included
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        lp = rng.integers(-3, 3, int(rng.integers(1, 40))).astype(np.float64)      # many ties
+        k = int(rng.integers(0, 45))
+        assert serve.top_k(lp, k) == np.argsort(-lp, kind="stable")[:k].tolist(), (lp, k)
